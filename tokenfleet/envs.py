@@ -1,0 +1,31 @@
+"""Every environment variable tokenfleet reads, declared and read in this one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# name -> (default, meaning); `tokenfleet --help` and the README list these.
+ENVIRONMENT_VARIABLES: dict[str, tuple[str, str]] = {
+    "TOKENFLEET_CACHE_DIR": (
+        "~/.cache/tokenfleet",
+        "where the bundled model is converted to a Hugging Face folder",
+    ),
+    "TOKENFLEET_NUM_THREADS": (
+        "",
+        "torch intra-op threads for the model runner (default: torch's)",
+    ),
+}
+
+
+def _get(name: str) -> str:
+    return os.environ.get(name, ENVIRONMENT_VARIABLES[name][0])
+
+
+def cache_dir() -> Path:
+    return Path(_get("TOKENFLEET_CACHE_DIR")).expanduser()
+
+
+def num_threads() -> int | None:
+    value = _get("TOKENFLEET_NUM_THREADS")
+    return int(value) if value else None

@@ -1,0 +1,139 @@
+"""Runs one scheduled step on the device: inputs, forward pass, sampling.
+
+Owns the weights, the paged KV tensors (sized from a memory budget) and the per-request
+random generators; knows nothing of queues or policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from tokenfleet.attention import AttentionMetadata
+from tokenfleet.config import CacheConfig
+from tokenfleet.models.config import ModelConfig
+from tokenfleet.models.loader import DTYPES, load_model
+from tokenfleet.models.rope import rope_cos_sin
+from tokenfleet.outputs import ModelRunnerOutput
+from tokenfleet.sampler import compute_logprobs, sample
+from tokenfleet.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes still available on the device (host RAM for the CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_folder: Path,
+        *,
+        device: str,
+        dtype: str,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.model = load_model(model_folder, self.device, self.dtype)
+        self.config: ModelConfig = self.model.config
+        self.block_size = cache_config.block_size
+        bytes_per_block = self.config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        budget = cache_config.kv_cache_memory
+        if budget is None:
+            budget = int(free_device_memory(self.device) * cache_config.kv_cache_memory_fraction)
+        self.num_blocks = budget // bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"a KV budget of {budget} bytes holds no block ({bytes_per_block} bytes each)"
+            )
+        shape = (
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+        )
+        # Zeroed, not empty: padded decode rows read unwritten blocks under a mask, and
+        # garbage NaNs there would leak through the softmax.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self.config.num_layers)
+        ]
+        self.cos, self.sin = rope_cos_sin(self.config, max_model_len, self.device, self.dtype)
+        self._seed_rng = random.Random(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * bytes_per_block / 2**20,
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
+    def _generator(self, req_id: str, seed: int | None) -> torch.Generator:
+        gen = self._generators.get(req_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
+            self._generators[req_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in so.finished_req_ids:
+            self._generators.pop(req_id, None)
+        if so.is_empty:
+            return ModelRunnerOutput({})
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        for s in so.scheduled:
+            input_ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
+            if s.sample:
+                logits_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(
+            [(s.start_pos, s.num_tokens, s.block_ids) for s in so.scheduled],
+            self.block_size,
+            self.device,
+            self.config.sliding_window,
+        )
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            self.cos[pos],
+            self.sin[pos],
+            self.kv_caches,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+        sampling = [s for s in so.scheduled if s.sample]
+        params = [s.sampling_params for s in sampling]
+        generators = [
+            self._generator(s.req_id, s.sampling_params.seed) if not p.greedy else None
+            for s, p in zip(sampling, params, strict=True)
+        ]
+        token_ids = sample(logits, params, generators)
+        logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
+        return ModelRunnerOutput(
+            sampled_token_ids={s.req_id: t for s, t in zip(sampling, token_ids, strict=True)},
+            logprobs={s.req_id: lp for s, lp in zip(sampling, logprobs, strict=True) if lp},
+        )

@@ -1,0 +1,1 @@
+"""Llama-family decoders and their loading from Hugging Face folders."""

@@ -1,0 +1,68 @@
+"""Plain messages that cross the engine-core boundary (msgspec, so they go over ZMQ as is).
+
+The scheduler's Request is state; these are what callers send and receive.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenfleet.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    deadline: float | None = None
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """The chosen token's logprob and, when asked for, the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one request gained in one step. finish_reason: "stop", "length" or "abort"."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct):
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_prefix_query_tokens: int
+    num_prefix_hit_tokens: int
+    num_preemptions: int
+    num_steps: int
+
+
+class EngineCoreOutputs(msgspec.Struct):
+    """Every request's progress in one engine step: one message per step, not per token."""
+
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    stats: SchedulerStats | None = None
+
+
+class ModelRunnerOutput(msgspec.Struct):
+    """The runner's answer to one SchedulerOutput: one sampled token per sampling request."""
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = {}

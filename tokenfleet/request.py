@@ -1,0 +1,103 @@
+"""A request's scheduling state inside one engine replica.
+
+Not a wire message: what crosses process boundaries lives in `outputs.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from tokenfleet.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Prompt and output token ids plus how far the KV cache has caught up with them.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache (or are being written
+    by the step just scheduled). A step gives a request `num_tokens - num_computed_tokens`
+    tokens at most: the whole prompt (prefill), part of it (chunked prefill), or the one
+    token sampled last (decode) are all that one rule.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        arrival_time: float,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.eos_token_id = eos_token_id
+        # Lower value = more important. The priority-class issue fills this in.
+        self.priority = priority
+        self.deadline = deadline
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_token_id: int | None = None
+        self.num_preemptions = 0
+        # Prompt tokens served from the prefix cache at first admission (for usage stats).
+        self.num_cached_tokens: int | None = None
+        # Chained hashes of the full blocks of all_token_ids, filled by the KV manager.
+        self.block_hashes: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,72 @@
+"""Next-token choice per request: greedy, or temperature with top-k and top-p, seeded.
+
+Each request draws from its own torch.Generator, so a seeded request gives the same
+tokens whatever it is batched with. Logprobs are of the model's raw distribution (before
+temperature and truncation), as the OpenAI API reports them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenfleet.outputs import TokenLogprobs
+from tokenfleet.sampling_params import SamplingParams
+
+
+def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask logits outside each row's top-k and top-p nucleus to -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    drop = ranks >= k
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p (the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor,  # [B, V] float32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[int]:
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        sub = logits[rows]
+        temperature = torch.tensor([params[i].temperature for i in random_rows], device=sub.device)
+        sub = sub / temperature[:, None]
+        top_k = torch.tensor([params[i].top_k for i in random_rows], device=sub.device)
+        top_p = torch.tensor([params[i].top_p for i in random_rows], device=sub.device)
+        if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+            sub = _truncate(sub, top_k, top_p)
+        probs = sub.softmax(dim=-1)
+        for j, i in enumerate(random_rows):
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p.
+            noise = torch.empty_like(probs[j]).exponential_(generator=generators[i])
+            tokens[i] = (probs[j] / noise).argmax()
+    return tokens.tolist()
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int | None]
+) -> list[TokenLogprobs | None]:
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    result: list[TokenLogprobs | None] = [None] * len(num_top)
+    if not rows:
+        return result
+    logprobs = logits[rows].log_softmax(dim=-1)
+    max_top = max(num_top[i] or 0 for i in rows)
+    top_values, top_ids = logprobs.topk(max_top, dim=-1) if max_top else (None, None)
+    for j, i in enumerate(rows):
+        n = num_top[i] or 0
+        top = []
+        if n and top_values is not None and top_ids is not None:
+            top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
+        result[i] = TokenLogprobs(token_ids[i], float(logprobs[j, token_ids[i]]), top)
+    return result

@@ -1,0 +1,49 @@
+"""SchedulerOutput: the only thing that crosses from the scheduler to the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenfleet.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner feeds `token_ids` at positions start_pos, start_pos+1, ...; their K/V go to
+    the slots that `block_ids` give those positions. When `sample` is set, this step
+    reaches the request's last token and the runner samples the next one.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    # Requests finished, aborted or preempted since the previous step: the runner drops
+    # per-request state for the finished ones.
+    finished_req_ids: frozenset[str]
+    preempted_req_ids: tuple[str, ...]
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.req_id: s.num_tokens for s in self.scheduled}
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
