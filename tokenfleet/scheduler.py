@@ -110,9 +110,9 @@ class Scheduler:
 
         scheduled = []
         for request in self.running:
-            num_new = num_scheduled.get(request.req_id)
-            if num_new is None:
+            if request.req_id not in num_scheduled:
                 continue
+            num_new = num_scheduled[request.req_id]
             start = request.num_computed_tokens
             scheduled.append(
                 ScheduledRequest(

@@ -74,7 +74,7 @@ class ModelConfig:
             )
         # transformers 5 writes rope settings as `rope_parameters`; older ones as
         # `rope_theta` plus `rope_scaling`.
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope: dict[str, Any] = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = float(raw.get("rope_theta", rope.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
