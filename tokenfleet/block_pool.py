@@ -150,9 +150,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use, since a
+        running request's blocks would otherwise never be cached again."""
+        if self.num_used_blocks:
+            return False
         for block in list(self.cached.values()):
             self._evict(block)
+        return True
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:

@@ -49,8 +49,15 @@ class LLM:
         sched = SchedulerConfig(**{k: kwargs.pop(k) for k in _SCHEDULER_FIELDS & kwargs.keys()})
         self.config = EngineConfig(model=model, cache=cache, scheduler=sched, **kwargs)
         self.engine = EngineCore(self.config)
-        self.tokenizer = Tokenizer(self.engine.model_folder)
+        self._tokenizer: Tokenizer | None = None
         self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        # Loaded on first use: a folder without tokenizer files still serves token ids.
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.engine.model_folder)
+        return self._tokenizer
 
     def generate(
         self,
@@ -92,11 +99,12 @@ class LLM:
                     result.stop_token_id = out.stop_token_id
                     bar.update(1)
         bar.close()
-        for result in results.values():
-            ids = result.token_ids
-            if result.stop_token_id is not None:
-                ids = ids[:-1]
-            result.text = self.tokenizer.decode(ids)
+        if (self.engine.model_folder / "tokenizer.json").is_file():
+            for result in results.values():
+                ids = result.token_ids
+                if result.stop_token_id is not None:
+                    ids = ids[:-1]
+                result.text = self.tokenizer.decode(ids)
         return [results[r] for r in order]
 
     def chat(
