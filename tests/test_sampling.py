@@ -1,0 +1,128 @@
+"""Sampling: seeds, top-k, top-p, temperature, logprobs and the stop rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenfleet import LLM, SamplingParams
+from tokenfleet.sampler import sample
+
+
+@pytest.fixture(scope="module")
+def llm(model_folder: Path) -> LLM:
+    return LLM(str(model_folder), kv_cache_memory=64 << 20)
+
+
+def _chat(llm: LLM, text: str) -> list[int]:
+    return llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    )
+
+
+def test_seeded_request_is_the_same_alone_and_batched(llm: LLM) -> None:
+    prompt = _chat(llm, "Tell me a story about a lighthouse.")
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], seeded)[0].token_ids
+    others = [_chat(llm, f"Count to {n}.") for n in range(3, 7)]
+    batch = llm.generate(
+        [*others[:2], prompt, *others[2:]],
+        [SamplingParams(max_tokens=30, temperature=0.8)] * 2
+        + [seeded]
+        + [SamplingParams(max_tokens=30, temperature=0.8)] * 2,
+    )
+    assert batch[2].token_ids == alone
+    other_seed = llm.generate([prompt], SamplingParams(max_tokens=24, seed=99, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(llm: LLM) -> None:
+    prompt = _chat(llm, "Name a famous painter.")
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0))[0].token_ids
+    top_k = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.5, top_k=1))
+    top_p = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, top_p=1e-6))
+    assert top_k[0].token_ids == greedy
+    assert top_p[0].token_ids == greedy
+
+
+def test_sampler_truncation_keeps_exactly_the_top_k_and_the_nucleus() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(8, 4).clone()
+    gens = [torch.Generator().manual_seed(i) for i in range(8)]
+    seen_k: set[int] = set()
+    seen_p: set[int] = set()
+    for _ in range(200):
+        seen_k |= set(sample(logits, [SamplingParams(top_k=2)] * 8, gens))  # type: ignore[arg-type]
+        # mass before token 1 is 0.5 < 0.7 (kept); before token 2 it is 0.8 (dropped)
+        seen_p |= set(sample(logits, [SamplingParams(top_p=0.7)] * 8, gens))  # type: ignore[arg-type]
+    assert seen_k == {0, 1}
+    assert seen_p == {0, 1}
+
+
+def test_sampler_follows_the_distribution_and_temperature() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    n = 6000
+    logits = probs.log().expand(n, 3).clone()
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    counts = torch.bincount(torch.tensor(sample(logits, [SamplingParams()] * n, gens)), minlength=3)  # type: ignore[arg-type]
+    freq = counts.float() / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert torch.all((freq - probs).abs() < 4 * sigma), freq
+    # Temperature 0.5 squares the odds: 0.6^2 : 0.3^2 : 0.1^2 -> 0.783, 0.196, 0.022.
+    cold = sample(logits, [SamplingParams(temperature=0.5)] * n, gens)  # type: ignore[arg-type]
+    sharp = (probs**2) / (probs**2).sum()
+    freq = torch.bincount(torch.tensor(cold), minlength=3).float() / n
+    sigma = (sharp * (1 - sharp) / n).sqrt()
+    assert torch.all((freq - sharp).abs() < 4 * sigma), freq
+
+
+def test_logprobs_equal_transformers_log_softmax(llm: LLM, model_folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompt = _chat(llm, "Why do cats purr?")
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=5, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
+    reference = logits.float().log_softmax(-1)
+    assert out.logprobs is not None and len(out.logprobs) == 8
+    for step, lp in enumerate(out.logprobs):
+        assert lp.token_id == out.token_ids[step]
+        assert lp.logprob == pytest.approx(reference[step, lp.token_id].item(), abs=1e-4)
+        values, ids = reference[step].topk(5)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+
+def test_eos_stops_with_reason_stop(llm: LLM) -> None:
+    out = llm.generate(
+        [_chat(llm, "What is the capital of France?")], SamplingParams(max_tokens=64, temperature=0)
+    )[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] == 2 and out.stop_token_id == 2
+    assert 2 not in out.token_ids[:-1]
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
+
+
+def test_stop_token_ids_end_the_output_at_that_token(llm: LLM) -> None:
+    prompt = _chat(llm, "Write a haiku about rust on an old bicycle.")
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0))[0].token_ids
+    stop_at = next(i for i in range(3, 20) if greedy[i] not in greedy[:i])
+    out = llm.generate(
+        [prompt],
+        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(greedy[stop_at],)),
+    )[0]
+    assert out.token_ids == greedy[: stop_at + 1]
+    assert out.finish_reason == "stop" and out.stop_token_id == greedy[stop_at]
+    assert out.text == llm.tokenizer.decode(greedy[:stop_at])
+
+
+def test_max_tokens_ends_with_reason_length(llm: LLM) -> None:
+    out = llm.generate(
+        [_chat(llm, "Write a long essay on bridges.")], SamplingParams(max_tokens=7, temperature=0)
+    )[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    assert out.stop_token_id is None
