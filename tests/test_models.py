@@ -77,10 +77,18 @@ def _make(tmp_path: Path, name: str) -> tuple[Path, torch.nn.Module]:
     return folder, model
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_tiny_model_matches_transformers(tmp_path: Path, name: str) -> None:
+def test_tiny_model_matches_transformers(tmp_path: Path, name: str, backend: str) -> None:
     folder, hf = _make(tmp_path, name)
-    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=16, kv_cache_memory=4 << 20)
+    llm = LLM(
+        str(folder),
+        block_size=4,
+        max_num_batched_tokens=16,
+        kv_cache_memory=4 << 20,
+        attention_backend=backend,
+    )
+    assert llm.engine.runner.use_kernel == (backend == "auto")
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
     outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs, strict=True):

@@ -4,8 +4,12 @@ The cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_head
 head_dim]; a token at position p of a request lives in slot
 block_ids[p // block_size] * block_size + p % block_size. Each step writes the new
 tokens' K/V into their slots, then reads every sequence's context through its block
-table. This backend gathers the blocks and calls scaled_dot_product_attention; a fused
-paged kernel (CUDA) can replace `TorchPagedAttention` behind the same metadata.
+table. Prefill chunks gather their blocks and call scaled_dot_product_attention. Decodes
+use the fused C kernel (kernels/paged_attention.c) on CPU float32, which reads the cache
+in place; elsewhere they gather too. A fused CUDA kernel would slot in the same way.
+
+Decodes come first in the flattened batch (the runner orders them so), so their rows are
+one slice and need no scatter.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tokenfleet.kernels import paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -30,9 +36,10 @@ class PrefillSeq:
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
-    # Decodes (one query token each) run as one padded batch.
-    decode_token_idx: torch.Tensor  # [num_decodes]
+    # Decodes (one query token each): rows [0, num_decodes) of the batch.
+    num_decodes: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    decode_context_lens: torch.Tensor  # [num_decodes]
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq]
 
@@ -44,9 +51,8 @@ class AttentionMetadata:
         device: torch.device,
         sliding_window: int | None = None,
     ) -> AttentionMetadata:
-        """From (start_pos, num_query, block_ids) per sequence, in batch order."""
+        """From (start_pos, num_query, block_ids) per sequence, in batch order, decodes first."""
         slots: list[int] = []
-        decode_idx: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
@@ -57,7 +63,7 @@ class AttentionMetadata:
             context_len = start + num_query
             num_blocks = -(context_len // -block_size)
             if num_query == 1:
-                decode_idx.append(offset)
+                assert not prefills, "decodes must come before prefills in the batch"
                 decode_tables.append(block_ids[:num_blocks])
                 decode_lens.append(context_len)
             else:
@@ -82,8 +88,9 @@ class AttentionMetadata:
             mask &= key_pos[None, :] > lens - 1 - sliding_window
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=device),
+            num_decodes=len(decode_tables),
             decode_block_tables=table.to(device),
+            decode_context_lens=lens[:, 0].to(device),
             decode_mask=mask[:, None, None, :].to(device),
             prefills=prefills,
         )
@@ -102,14 +109,21 @@ def _prefill_mask(
     return mask.to(device)
 
 
-class TorchPagedAttention:
-    """Gather + scaled_dot_product_attention: portable, and fast enough on CPU."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+class PagedAttention:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        sliding_window: int | None = None,
+        use_kernel: bool = True,
+    ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
+        self.sliding_window = sliding_window
+        self.use_kernel = use_kernel
 
     def forward(
         self,
@@ -124,10 +138,9 @@ class TorchPagedAttention:
         k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        if meta.decode_token_idx.numel():
-            out[meta.decode_token_idx] = self._decode(
-                q[meta.decode_token_idx], k_cache, v_cache, meta
-            )
+        n = meta.num_decodes
+        if n:
+            out[:n] = self._decode(q[:n], k_cache, v_cache, meta)
         for seq in meta.prefills:
             rows = slice(seq.token_start, seq.token_start + seq.num_query)
             out[rows] = self._prefill(q[rows], k_cache, v_cache, seq)
@@ -136,6 +149,16 @@ class TorchPagedAttention:
     def _decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if self.use_kernel and q.device.type == "cpu" and q.dtype == torch.float32:
+            return paged_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                self.head_dim**-0.5,
+                self.sliding_window,
+            )
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         table = meta.decode_block_tables
         # [B, blocks, block_size, Hkv, D] -> [B, Hkv, L, D]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _DTYPES = ("float32", "bfloat16", "float16")
+_ATTENTION_BACKENDS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class EngineConfig:
     """One replica: which model, on which device, and its cache and scheduler settings.
 
     `model` None means the bundled SmolLM2-135M-Instruct, converted on first use.
+    `attention_backend` "auto" decodes with the fused C kernel on CPU float32 when a C
+    compiler is there; "torch" always gathers blocks and calls SDPA.
     """
 
     model: str | None = None
@@ -58,12 +61,18 @@ class EngineConfig:
     num_threads: int | None = None
     max_model_len: int | None = None
     seed: int = 0
+    attention_backend: str = "auto"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:

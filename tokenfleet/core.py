@@ -66,6 +66,7 @@ class EngineCore:
             cache_config=config.cache,
             max_model_len=max_len,
             seed=config.seed,
+            attention_backend=config.attention_backend,
         )
         self.model_config = self.runner.config
         block_size = config.cache.block_size

@@ -14,6 +14,7 @@ import torch
 
 from tokenfleet.attention import AttentionMetadata
 from tokenfleet.config import CacheConfig
+from tokenfleet.kernels import paged_attention_lib
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.loader import DTYPES, load_model
 from tokenfleet.models.rope import rope_cos_sin
@@ -46,10 +47,17 @@ class ModelRunner:
         cache_config: CacheConfig,
         max_model_len: int,
         seed: int = 0,
+        attention_backend: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
-        self.model = load_model(model_folder, self.device, self.dtype)
+        self.use_kernel = (
+            attention_backend == "auto"
+            and self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and paged_attention_lib() is not None
+        )
+        self.model = load_model(model_folder, self.device, self.dtype, use_kernel=self.use_kernel)
         self.config: ModelConfig = self.model.config
         self.block_size = cache_config.block_size
         bytes_per_block = self.config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
@@ -102,16 +110,18 @@ class ModelRunner:
             self._generators.pop(req_id, None)
         if so.is_empty:
             return ModelRunnerOutput({})
+        # Decodes first: attention then treats them as one slice of the batch.
+        batch = sorted(so.scheduled, key=lambda s: s.num_tokens > 1)
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
-        for s in so.scheduled:
+        for s in batch:
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
         meta = AttentionMetadata.build(
-            [(s.start_pos, s.num_tokens, s.block_ids) for s in so.scheduled],
+            [(s.start_pos, s.num_tokens, s.block_ids) for s in batch],
             self.block_size,
             self.device,
             self.config.sliding_window,
@@ -125,7 +135,7 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
-        sampling = [s for s in so.scheduled if s.sample]
+        sampling = [s for s in batch if s.sample]
         params = [s.sampling_params for s in sampling]
         generators = [
             self._generator(s.req_id, s.sampling_params.seed) if not p.greedy else None

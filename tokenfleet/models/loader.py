@@ -52,13 +52,15 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, int, int]
     return param, 0, param.shape[0]
 
 
-def load_model(folder: Path, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+def load_model(
+    folder: Path, device: torch.device, dtype: torch.dtype, *, use_kernel: bool = True
+) -> LlamaForCausalLM:
     config = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"model folder {folder} has no *.safetensors files")
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, use_kernel)
     model.to_empty(device=device)
     model.to(dtype)
     if config.tie_word_embeddings:

@@ -1,0 +1,126 @@
+"""Native CPU kernels, compiled on first use with the system C compiler.
+
+Plain C called through ctypes: it builds in about a second, needs no torch headers, and
+when no compiler is found the engine falls back to the torch attention path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from tokenfleet import envs
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_signature() -> str:
+    # -march=native code is only valid on the CPU it was built for.
+    try:
+        flags = next(
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        flags = ""
+    return platform.machine() + flags
+
+
+def _build(compiler: str) -> Path:
+    digest = hashlib.sha256(
+        _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()
+    ).hexdigest()[:16]
+    out_dir = envs.cache_dir() / "kernels"
+    target = out_dir / f"paged_attention-{digest}.so"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        os.replace(built, target)  # atomic: concurrent builders both end with a whole file
+    logger.info("built %s", target)
+    return target
+
+
+@cache
+def paged_attention_lib() -> ctypes.CDLL | None:
+    """The compiled kernel library, or None (logged) when it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        logger.warning("no C compiler found: using the torch attention path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        logger.warning("paged attention kernel unavailable (%s): using torch", detail.strip())
+        return None
+    fn = lib.paged_decode_attention_f32
+    fn.restype = None
+    fn.argtypes = (
+        [ctypes.c_void_p] * 6
+        + [ctypes.c_int64] * 6
+        + [
+            ctypes.c_float,
+            ctypes.c_int64,
+            ctypes.c_int,
+        ]
+    )
+    return lib
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D] float32
+    k_cache: torch.Tensor,  # [num_blocks, BS, HKV, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    context_lens: torch.Tensor,  # [B] int64
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    lib = paged_attention_lib()
+    assert lib is not None, "call only when paged_attention_lib() is available"
+    q = q.contiguous()
+    assert q.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert block_tables.dtype == torch.int64 and context_lens.dtype == torch.int64
+    b, h, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    out = torch.empty_like(q)
+    lib.paged_decode_attention_f32(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        b,
+        h,
+        hkv,
+        d,
+        bs,
+        block_tables.shape[1],
+        scale,
+        sliding_window or 0,
+        torch.get_num_threads(),
+    )
+    return out
