@@ -42,7 +42,7 @@ def test_decode_attention_matches_contiguous_attention(
     q = torch.randn(len(lengths), heads, head_dim, generator=gen)
     k_new = torch.randn(len(lengths), kv_heads, head_dim, generator=gen)
     v_new = torch.randn(len(lengths), kv_heads, head_dim, generator=gen)
-    for i, length in enumerate(lengths):
+    for length in lengths:
         n = -(length // -block_size)
         ids, perm = perm[:n], perm[n:]
         tables.append(ids)
