@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_params.py \
 	tokenfleet/request.py tokenfleet/request_queue.py tokenfleet/block_pool.py \
 	tokenfleet/kv_cache.py tokenfleet/scheduler.py tokenfleet/scheduler_output.py \
-	tokenfleet/outputs.py tokenfleet/envs.py tokenfleet/models/config.py
+	tokenfleet/outputs.py tokenfleet/envs.py tokenfleet/models/config.py \
+	tokenfleet/detokenizer.py
 
 .PHONY: install test lint prepare clean
 

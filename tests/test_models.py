@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from reference import assert_matches_transformers
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.errors import ModelLoadError
@@ -92,18 +93,7 @@ def test_tiny_model_matches_transformers(tmp_path: Path, name: str, backend: str
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
     outputs = llm.generate(PROMPTS, params)
     for prompt, out in zip(PROMPTS, outputs, strict=True):
-        ids = torch.tensor([prompt + out.token_ids])
-        with torch.inference_mode():
-            logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()
-        reference = logits.log_softmax(-1)
-        assert out.token_ids == reference.argmax(-1).tolist()
-        assert out.logprobs is not None
-        for step, lp in enumerate(out.logprobs):
-            assert lp.token_id == out.token_ids[step]
-            assert lp.logprob == pytest.approx(reference[step, lp.token_id].item(), abs=1e-4)
-            top_values, top_ids = reference[step].topk(3)
-            assert [t for t, _ in lp.top] == top_ids.tolist()
-            assert [v for _, v in lp.top] == pytest.approx(top_values.tolist(), abs=1e-4)
+        assert_matches_transformers(hf, prompt, out, num_top=3)
 
 
 def test_bfloat16_runs_close_to_transformers_bfloat16(tmp_path: Path) -> None:

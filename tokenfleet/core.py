@@ -123,6 +123,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_outputs(self) -> bool:
+        """Abort acknowledgements waiting for the next step's message."""
+        return bool(self._pending)
+
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
         scheduler_output = self.scheduler.schedule(now)

@@ -66,3 +66,48 @@ class ModelRunnerOutput(msgspec.Struct):
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = {}
+
+
+# -- the engine process's wire protocol (ZMQ, msgpack) -----------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    req_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+EngineInput = AddRequest | AbortRequests | Shutdown
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    """Sent once the model is loaded: what the gateway needs to validate requests."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class RequestRejected(msgspec.Struct, tag="rejected"):
+    """The engine refused a request (the gateway validates first, so this is rare)."""
+
+    req_id: str
+    message: str
+    param: str | None = None
+
+
+class StepOutputs(msgspec.Struct, tag="step"):
+    """One engine step's outputs, or a heartbeat (no outputs) while the engine is idle."""
+
+    outputs: EngineCoreOutputs
+
+
+EngineMessage = EngineReady | RequestRejected | StepOutputs

@@ -1,0 +1,107 @@
+"""The engine in its own process: requests over ZMQ, outputs per step, aborts, and a
+restart after the process is killed with a real signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from tokenfleet import LLM, SamplingParams
+from tokenfleet.config import CacheConfig, EngineConfig
+from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
+from tokenfleet.errors import InvalidRequestError
+from tokenfleet.outputs import EngineCoreRequest
+
+PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30], [1, 4093, 198, 19842, 2]]
+
+
+def _config(folder: Path) -> EngineConfig:
+    return EngineConfig(model=str(folder), cache=CacheConfig(kv_cache_memory=32 << 20))
+
+
+@contextlib.asynccontextmanager
+async def _running(folder: Path) -> AsyncIterator[AsyncEngineClient]:
+    client = AsyncEngineClient(_config(folder))
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.shutdown()
+
+
+async def _collect(client: AsyncEngineClient, req_id: str, prompt: list[int], n: int) -> list[int]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    tokens: list[int] = []
+    async for out in client.generate(EngineCoreRequest(req_id, prompt, params, 0.0)):
+        tokens += out.new_token_ids
+    return tokens
+
+
+def test_engine_process_streams_the_same_tokens_as_in_process(model_folder: Path) -> None:
+    expected = [
+        o.token_ids
+        for o in LLM(str(model_folder), kv_cache_memory=32 << 20).generate(
+            PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        )
+    ]
+
+    async def main() -> None:
+        async with _running(model_folder) as client:
+            assert client.is_healthy() and client.info is not None
+            assert client.info.num_kv_blocks == 45  # 32 MiB of 737,280-byte blocks
+            assert client.info.max_model_len == 45 * 16
+            got = await asyncio.gather(
+                *(_collect(client, f"r{i}", p, 12) for i, p in enumerate(PROMPTS))
+            )
+            assert list(got) == expected
+            with pytest.raises(InvalidRequestError, match="prompt must contain at least one"):
+                await _collect(client, "empty", [], 4)
+            assert await _collect(client, "after", PROMPTS[0], 12) == expected[0]
+
+    asyncio.run(main())
+
+
+def test_abandoned_stream_is_aborted_and_frees_blocks(model_folder: Path) -> None:
+    async def main() -> None:
+        async with _running(model_folder) as client:
+            params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+            stream = client.generate(EngineCoreRequest("long", PROMPTS[0], params, 0.0))
+            first = await anext(stream)
+            assert first.new_token_ids
+            await stream.aclose()  # what a client disconnect does to the handler
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if client.stats and client.stats.num_running == 0:
+                    break
+            assert client.stats is not None
+            assert client.stats.num_running == 0
+            assert client.stats.num_kv_blocks_used == 0
+
+    asyncio.run(main())
+
+
+def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> None:
+    async def main() -> None:
+        async with _running(model_folder) as client:
+            params = SamplingParams(max_tokens=700, temperature=0, ignore_eos=True)
+            stream = client.generate(EngineCoreRequest("doomed", PROMPTS[0], params, 0.0))
+            await anext(stream)
+            old_pid = client.pid
+            assert old_pid is not None
+            os.kill(old_pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                async for _ in stream:
+                    pass
+            assert not client.is_healthy()
+            await client.wait_ready(120)
+            assert client.is_healthy() and client.pid != old_pid
+            assert client.num_restarts == 1
+            assert len(await _collect(client, "again", PROMPTS[1], 5)) == 5
+
+    asyncio.run(main())

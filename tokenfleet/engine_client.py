@@ -1,0 +1,197 @@
+"""The gateway's handle on one local engine replica (the ReplicaClient of DESIGN.md).
+
+Starts the engine process, sends it requests and aborts over ZMQ, and routes each step's
+outputs to the asyncio queue of the request they belong to. A watchdog notices a dead or
+silent engine, fails every request in flight with EngineDeadError and starts a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenfleet.config import EngineConfig
+from tokenfleet.errors import InvalidRequestError, TokenfleetError
+from tokenfleet.outputs import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineMessage,
+    EngineReady,
+    RequestRejected,
+    SchedulerStats,
+    Shutdown,
+    StepOutputs,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(TokenfleetError):
+    """The engine process died or went silent; requests in flight are lost (HTTP 503)."""
+
+
+class AsyncEngineClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        heartbeat_timeout_s: float = 30.0,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
+        self.config = config
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._dir = Path(tempfile.mkdtemp(prefix="tokenfleet-"))
+        self._ctx = zmq.asyncio.Context()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineMessage)
+        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready = asyncio.Event()
+        self._generation = 0
+        self.info: EngineReady | None = None
+        self.stats: SchedulerStats | None = None
+        self.last_heartbeat = 0.0
+        self.num_restarts = 0
+        self._closing = False
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.bind(f"ipc://{self._dir}/in")
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.bind(f"ipc://{self._dir}/out")
+        self._spawn()
+        self._tasks = [
+            asyncio.create_task(self._receive_loop()),
+            asyncio.create_task(self._watchdog()),
+        ]
+        await self.wait_ready(self.startup_timeout_s)
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        if self._proc and self._proc.poll() is None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self._input.send(self._encoder.encode(Shutdown()))
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 10)
+            except TimeoutError:
+                self._proc.kill()
+        self._ctx.destroy(linger=0)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def is_healthy(self) -> bool:
+        return (
+            self._ready.is_set()
+            and self._proc is not None
+            and self._proc.poll() is None
+            and time.monotonic() - self.last_heartbeat < self.heartbeat_timeout_s
+        )
+
+    def _spawn(self) -> None:
+        self._ready.clear()
+        self._generation += 1
+        config_json = msgspec.json.encode(self.config).decode()
+        argv = [sys.executable, "-m", "tokenfleet.engine_proc"]
+        argv += [f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", config_json]
+        self._proc = subprocess.Popen(argv, env=os.environ.copy())
+        logger.info("engine process %d started", self._proc.pid)
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(0.2)
+            assert self._proc is not None
+            dead = self._proc.poll() is not None
+            silent = (
+                self._ready.is_set()
+                and time.monotonic() - self.last_heartbeat > self.heartbeat_timeout_s
+            )
+            if (dead or silent) and not self._closing:
+                logger.error(
+                    "engine process %d %s: restarting",
+                    self._proc.pid,
+                    f"exited with {self._proc.returncode}" if dead else "stopped answering",
+                )
+                if not dead:
+                    self._proc.kill()
+                    await asyncio.to_thread(self._proc.wait)
+                self._fail_all(EngineDeadError("the engine process died; the request was lost"))
+                self.num_restarts += 1
+                self._spawn()
+
+    def _fail_all(self, error: Exception) -> None:
+        self._ready.clear()
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            message = self._decoder.decode(await self._output.recv())
+            self.last_heartbeat = time.monotonic()
+            if isinstance(message, StepOutputs):
+                self.stats = message.outputs.stats
+                for output in message.outputs.outputs:
+                    queue = self._queues.get(output.req_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+            elif isinstance(message, EngineReady):
+                self.info = message
+                self._ready.set()
+                logger.info("engine ready: %s", message)
+            elif isinstance(message, RequestRejected):
+                queue = self._queues.get(message.req_id)
+                if queue is not None:
+                    queue.put_nowait(InvalidRequestError(message.message, param=message.param))
+
+    # -- requests -----------------------------------------------------------------
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+        """Yield the request's outputs step by step; closing the iterator early aborts it."""
+        if not self.is_healthy():
+            raise EngineDeadError("the engine is not running")
+        if request.req_id in self._queues:
+            raise InvalidRequestError(f"request id {request.req_id!r} is in use")
+        queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
+        self._queues[request.req_id] = queue
+        finished = False
+        try:
+            await self._input.send(self._encoder.encode(AddRequest(request)))
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            del self._queues[request.req_id]
+            if not finished and self.is_healthy():
+                # Cancelled mid-stream (a client disconnect): free its blocks now.
+                await self.abort([request.req_id])
+
+    async def abort(self, req_ids: list[str]) -> None:
+        await self._input.send(self._encoder.encode(AbortRequests(req_ids)))

@@ -1,0 +1,108 @@
+"""The engine process: an EngineCore driven over ZMQ, one message out per engine step.
+
+    gateway --PUSH ipc://.../in--> [engine process] --PUSH ipc://.../out--> gateway
+             AddRequest | AbortRequests | Shutdown      EngineReady, then StepOutputs per step
+                                                         (an empty one every heartbeat when idle)
+
+Inputs are drained between steps, never during one. Run as
+`python -m tokenfleet.engine_proc IN_ADDR OUT_ADDR CONFIG_JSON`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from tokenfleet.config import EngineConfig
+from tokenfleet.core import EngineCore
+from tokenfleet.errors import InvalidRequestError
+from tokenfleet.outputs import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    EngineInput,
+    EngineReady,
+    RequestRejected,
+    Shutdown,
+    StepOutputs,
+)
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+
+
+def _die_with_parent() -> None:
+    # Linux: SIGKILL this process when the gateway that started it dies.
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(in_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(out_addr)
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(EngineInput)
+
+    core = EngineCore(config)
+    outputs.send(
+        encoder.encode(
+            EngineReady(
+                max_model_len=core.max_model_len,
+                num_kv_blocks=core.kv.pool.num_blocks,
+                block_size=config.cache.block_size,
+                vocab_size=core.model_config.vocab_size,
+                eos_token_ids=list(core.model_config.eos_token_ids),
+            )
+        )
+    )
+    last_sent = time.monotonic()
+    while True:
+        busy = core.has_unfinished_requests() or core.has_pending_outputs()
+        timeout_ms = 0 if busy else int(HEARTBEAT_INTERVAL_S * 1000)
+        if inputs.poll(timeout_ms):
+            while True:
+                try:
+                    message = decoder.decode(inputs.recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, AbortRequests):
+                    core.abort(message.req_ids)
+                elif isinstance(message, AddRequest):
+                    try:
+                        core.add_request(message.request)
+                    except InvalidRequestError as exc:
+                        rejected = RequestRejected(message.request.req_id, exc.message, exc.param)
+                        outputs.send(encoder.encode(rejected))
+        if core.has_unfinished_requests() or core.has_pending_outputs():
+            outputs.send(encoder.encode(StepOutputs(core.step())))
+            last_sent = time.monotonic()
+        elif time.monotonic() - last_sent >= HEARTBEAT_INTERVAL_S:
+            heartbeat = EngineCoreOutputs([], timestamp=time.time(), stats=core.stats())
+            outputs.send(encoder.encode(StepOutputs(heartbeat)))
+            last_sent = time.monotonic()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s: %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    in_addr, out_addr, config_json = argv
+    run_engine(in_addr, out_addr, msgspec.json.decode(config_json, type=EngineConfig))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
