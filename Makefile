@@ -12,7 +12,7 @@ MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_pa
 	tokenfleet/outputs.py tokenfleet/envs.py tokenfleet/models/config.py \
 	tokenfleet/detokenizer.py
 
-.PHONY: install test lint prepare clean
+.PHONY: install test lint prepare serve clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,9 @@ lint: install
 	$(VENV)/bin/ruff check tokenfleet tests bench
 	$(VENV)/bin/ruff format --check tokenfleet tests bench
 	$(VENV)/bin/mypy $(MYPY_MODULES)
+
+serve: prepare
+	$(VENV)/bin/tokenfleet serve
 
 test: prepare lint
 	$(VENV)/bin/pytest -q

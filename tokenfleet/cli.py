@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from tokenfleet import envs
 
@@ -23,6 +24,98 @@ def _prepare(args: argparse.Namespace) -> int:
     folder = prepare_bundled_model(cache, progress=not args.quiet, force=args.force)
     print(folder)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tokenfleet.server.app import create_app
+    from tokenfleet.server.settings import ServeConfig
+
+    keys = set(args.api_key or [])
+    if args.api_keys_file:
+        lines = Path(args.api_keys_file).read_text().splitlines()
+        keys |= {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    cache = CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+    )
+    engine = EngineConfig(
+        model=args.model or None,
+        device=args.device,
+        dtype=args.dtype,
+        num_threads=args.num_threads,
+        max_model_len=args.max_model_len,
+        cache=cache,
+        scheduler=scheduler,
+    )
+    try:
+        config = ServeConfig(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            api_keys=frozenset(keys),
+            max_body_bytes=args.max_body_bytes,
+            ttft_target_s=args.ttft_target,
+            engine=engine,
+        )
+    except ValueError as exc:
+        print(f"tokenfleet serve: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info")
+    return 0
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    serve = commands.add_parser(
+        "serve",
+        help="serve the Anthropic and OpenAI APIs over HTTP",
+        description="Start the HTTP gateway and one local engine process.",
+        epilog=_env_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = serve.add_argument
+    num_threads = envs.num_threads()
+    add("--host", default=envs.get("TOKENFLEET_HOST"), help="listen address (default %(default)s)")
+    add("--port", type=int, default=int(envs.get("TOKENFLEET_PORT")), help="(default %(default)s)")
+    add(
+        "--model",
+        default=envs.get("TOKENFLEET_MODEL"),
+        help="Hugging Face folder (default: bundled)",
+    )
+    add("--served-model-name", default="smollm2-135m-instruct", help="the `model` callers send")
+    add(
+        "--api-key",
+        action="append",
+        default=[envs.get("TOKENFLEET_API_KEY")] if envs.get("TOKENFLEET_API_KEY") else None,
+        help="accept this key (repeatable); without keys the server binds only to loopback",
+    )
+    add(
+        "--api-keys-file",
+        default=envs.get("TOKENFLEET_API_KEYS_FILE") or None,
+        help="keys, one a line",
+    )
+    add("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit (413 above)")
+    add(
+        "--ttft-target", type=float, default=2.0, help="seconds; predicted TTFT above it is refused"
+    )
+    add("--device", default="cpu", help="cpu or cuda (default %(default)s)")
+    add("--dtype", default="float32", help="float32 or bfloat16 (default %(default)s)")
+    add("--num-threads", type=int, default=num_threads, help="torch threads for the engine")
+    add("--max-model-len", type=int, default=None, help="context length cap")
+    add("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    add("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: a fraction)")
+    add("--kv-cache-memory-fraction", type=float, default=0.1, help="of free memory after loading")
+    add("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    add("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    add("--max-num-seqs", type=int, default=64, help="sequences per step")
+    serve.set_defaults(func=_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,12 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--force", action="store_true", help="convert again even if present")
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     prepare.set_defaults(func=_prepare)
+    _add_serve(commands)
     return parser
 
 
-def _path(value: str) -> object:
-    from pathlib import Path
-
+def _path(value: str) -> Path:
     return Path(value).expanduser()
 
 

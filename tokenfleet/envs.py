@@ -15,6 +15,11 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, str]] = {
         "",
         "torch intra-op threads for the model runner (default: torch's)",
     ),
+    "TOKENFLEET_HOST": ("127.0.0.1", "address `tokenfleet serve` listens on"),
+    "TOKENFLEET_PORT": ("8000", "port `tokenfleet serve` listens on"),
+    "TOKENFLEET_API_KEY": ("", "an API key callers must send (x-api-key or Bearer)"),
+    "TOKENFLEET_API_KEYS_FILE": ("", "a file of API keys, one per line"),
+    "TOKENFLEET_MODEL": ("", "a Hugging Face model folder (default: the bundled model)"),
 }
 
 
@@ -29,3 +34,8 @@ def cache_dir() -> Path:
 def num_threads() -> int | None:
     value = _get("TOKENFLEET_NUM_THREADS")
     return int(value) if value else None
+
+
+def get(name: str) -> str:
+    """The variable's value, or its declared default."""
+    return _get(name)

@@ -1,0 +1,1 @@
+"""The HTTP gateway: Anthropic and OpenAI wire formats over one engine client."""

@@ -1,0 +1,156 @@
+"""Anthropic Messages API: POST /v1/messages (JSON or SSE) and /v1/messages/count_tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenfleet.errors import InvalidRequestError
+from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.server.body import read_body
+from tokenfleet.server.errors import APIError, anthropic_error_body
+from tokenfleet.server.service import GenerationService, TextDelta
+from tokenfleet.server.sse import prime, sse_event
+
+router = APIRouter()
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
+
+
+class TextBlock(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class MessageParam(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[TextBlock]
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[MessageParam] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    stream: bool = False
+    metadata: dict[str, Any] | None = None
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
+    service.check_model(body.model)
+    messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+    if body.system:
+        messages.insert(0, {"role": "system", "content": _text(body.system)})
+    return service.render_chat(messages, continue_final=True)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> JSONResponse:
+    body = await read_body(request, CountTokensRequest)
+    return JSONResponse({"input_tokens": len(_prompt(request.app.state.service, body))})
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(request: Request) -> JSONResponse | StreamingResponse:
+    service: GenerationService = request.app.state.service
+    body = await read_body(request, MessagesRequest)
+    prompt = _prompt(service, body)
+    service.check_length(len(prompt), body.max_tokens, "max_tokens")
+    try:
+        params = SamplingParams(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+        )
+    except InvalidRequestError as exc:
+        raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
+    service.admit(len(prompt))
+    message_id = f"msg_{uuid.uuid4().hex[:24]}"
+    deltas = service.generate(prompt, params, body.stop_sequences, route="/v1/messages")
+    first, deltas = await prime(deltas)
+    message = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": body.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": len(prompt), "output_tokens": 0},
+    }
+    if body.stream:
+        return StreamingResponse(_stream(message, first, deltas), media_type="text/event-stream")
+    text, last = "", first
+    if first is not None:
+        text = first.text
+        async for delta in deltas:
+            text += delta.text
+            last = delta
+    assert last is not None and last.finish_reason is not None
+    message["content"] = [{"type": "text", "text": text}]
+    message["stop_reason"] = STOP_REASONS.get(last.finish_reason, "end_turn")
+    message["stop_sequence"] = last.stop_sequence
+    message["usage"] = {"input_tokens": len(prompt), "output_tokens": last.num_output_tokens}
+    return JSONResponse(message)
+
+
+async def _stream(
+    message: dict[str, Any], first: TextDelta | None, deltas: AsyncIterator[TextDelta]
+) -> AsyncIterator[bytes]:
+    yield sse_event({"type": "message_start", "message": message}, "message_start")
+    start = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    yield sse_event(start, "content_block_start")
+    yield sse_event({"type": "ping"}, "ping")
+    last = first
+    async with contextlib.aclosing(deltas):
+        try:
+            pending = [first] if first is not None else []
+            async for delta in _chain(pending, deltas):
+                last = delta
+                if delta.text:
+                    block = {"type": "text_delta", "text": delta.text}
+                    event = {"type": "content_block_delta", "index": 0, "delta": block}
+                    yield sse_event(event, "content_block_delta")
+        except APIError as exc:
+            yield sse_event(anthropic_error_body(exc.kind, exc.message), "error")
+            return
+    assert last is not None and last.finish_reason is not None
+    yield sse_event({"type": "content_block_stop", "index": 0}, "content_block_stop")
+    stop = {
+        "stop_reason": STOP_REASONS.get(last.finish_reason, "end_turn"),
+        "stop_sequence": last.stop_sequence,
+    }
+    usage = {"output_tokens": last.num_output_tokens}
+    yield sse_event({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
+    yield sse_event({"type": "message_stop"}, "message_stop")
+
+
+async def _chain(head: list[TextDelta], rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item

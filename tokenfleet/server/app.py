@@ -1,0 +1,126 @@
+"""The FastAPI application: lifespan (engine process up and down), auth, request ids,
+health, models and metrics; the two API routers do the rest."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tokenfleet.core import resolve_model_folder
+from tokenfleet.engine_client import AsyncEngineClient
+from tokenfleet.server import anthropic_api, openai_api
+from tokenfleet.server.errors import APIError, error_response, request_id
+from tokenfleet.server.metrics import Metrics
+from tokenfleet.server.service import GenerationService
+from tokenfleet.server.settings import ServeConfig
+from tokenfleet.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+def _authorized(request: Request, keys: frozenset[str]) -> bool:
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return given is not None and any(hmac.compare_digest(given, k) for k in keys)
+
+
+def create_app(config: ServeConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        folder = resolve_model_folder(config.engine.model)
+        engine_config = config.engine
+        if engine_config.model is None:
+            from dataclasses import replace
+
+            engine_config = replace(engine_config, model=str(folder))
+        client = AsyncEngineClient(engine_config, heartbeat_timeout_s=config.heartbeat_timeout_s)
+        metrics = Metrics(lambda: client.stats)
+        app.state.client = client
+        app.state.metrics = metrics
+        app.state.service = GenerationService(client, Tokenizer(folder), config, metrics)
+        app.state.started = int(time.time())
+        await client.start()
+        try:
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(title="tokenfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+
+    @app.middleware("http")
+    async def request_context(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        rid = request_id(request)
+        if (
+            config.api_keys
+            and request.url.path not in _OPEN_PATHS
+            and not _authorized(request, config.api_keys)
+        ):
+            return error_response(
+                request, APIError(401, "authentication", "missing or invalid API key")
+            )
+        response = await call_next(request)
+        response.headers["request-id"] = rid
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(request, APIError(500, "internal", "internal server error"))
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        client: AsyncEngineClient = request.app.state.client
+        if client.is_healthy():
+            return JSONResponse({"status": "ok", "engine_pid": client.pid})
+        return JSONResponse({"status": "engine unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        registry = request.app.state.metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        name = config.served_model_name
+        created = request.app.state.started
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": name,
+                        "object": "model",
+                        "created": created,
+                        "owned_by": "tokenfleet",
+                        "type": "model",
+                        "display_name": name,
+                        "created_at": created,
+                    }
+                ],
+                "has_more": False,
+                "first_id": name,
+                "last_id": name,
+            }
+        )
+
+    app.include_router(anthropic_api.router)
+    app.include_router(openai_api.router)
+    return app

@@ -1,0 +1,80 @@
+"""API errors and their two wire formats.
+
+One APIError carries a status and a kind; the route's flavor decides the body:
+
+    Anthropic: {"type": "error", "error": {"type": "...", "message": "..."}} + request-id header
+    OpenAI:    {"error": {"message": "...", "type": "...", "param": ..., "code": ...}}
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+# kind -> (Anthropic error type, OpenAI error type, OpenAI code)
+_KINDS: dict[str, tuple[str, str, str | None]] = {
+    "invalid_request": ("invalid_request_error", "invalid_request_error", None),
+    "authentication": ("authentication_error", "invalid_request_error", "invalid_api_key"),
+    "not_found": ("not_found_error", "invalid_request_error", "model_not_found"),
+    "request_too_large": ("request_too_large", "invalid_request_error", "request_too_large"),
+    "overloaded": ("overloaded_error", "server_error", "overloaded"),
+    "engine_down": ("api_error", "server_error", "engine_unavailable"),
+    "internal": ("api_error", "server_error", None),
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        *,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        assert kind in _KINDS
+        self.status = status
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+def is_anthropic_route(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def anthropic_error_body(kind: str, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _KINDS[kind][0], "message": message}}
+
+
+def openai_error_body(kind: str, message: str, param: str | None) -> dict[str, Any]:
+    _, error_type, code = _KINDS[kind]
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def request_id(request: Request) -> str:
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = f"req_{uuid.uuid4().hex[:24]}"
+        request.state.request_id = rid
+    return str(rid)
+
+
+def error_response(request: Request, error: APIError) -> JSONResponse:
+    headers = {"request-id": request_id(request)}
+    if error.retry_after_s is not None:
+        headers["retry-after"] = str(error.retry_after_s)
+    status = error.status
+    if is_anthropic_route(request.url.path):
+        body = anthropic_error_body(error.kind, error.message)
+    else:
+        body = openai_error_body(error.kind, error.message, error.param)
+        if error.kind == "overloaded":
+            status = 429  # OpenAI clients back off and retry on 429 + Retry-After
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -1,0 +1,82 @@
+"""Prometheus metrics: latency histograms recorded by the gateway, engine gauges read from
+the engine's last step message at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from tokenfleet.outputs import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.1, 0.2, 0.4, 1, 2, 5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._stats()
+        if stats is None:
+            return
+        gauges = {
+            "tokenfleet_num_requests_running": (
+                "requests running in the engine",
+                stats.num_running,
+            ),
+            "tokenfleet_num_requests_waiting": (
+                "requests waiting in the engine",
+                stats.num_waiting,
+            ),
+            "tokenfleet_kv_blocks_used": ("KV-cache blocks in use", stats.num_kv_blocks_used),
+            "tokenfleet_kv_blocks_total": ("KV-cache blocks in all", stats.num_kv_blocks_total),
+            "tokenfleet_prefix_cache_hit_rate": (
+                "prompt tokens served from the prefix cache, over prompt tokens looked up",
+                stats.num_prefix_hit_tokens / max(stats.num_prefix_query_tokens, 1),
+            ),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily(
+            "tokenfleet_preemptions",
+            "requests preempted since the engine started",
+            value=stats.num_preemptions,
+        )
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], SchedulerStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ("route", "priority")
+        self.ttft = Histogram(
+            "tokenfleet_time_to_first_token_seconds",
+            "time to first token",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "tokenfleet_time_per_output_token_seconds",
+            "time per output token after the first",
+            labels,
+            buckets=_TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "tokenfleet_e2e_request_latency_seconds",
+            "request latency, end to end",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "tokenfleet_prompt_tokens", "prompt tokens accepted", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "tokenfleet_generation_tokens", "tokens generated", registry=self.registry
+        )
+        self.registry.register(_EngineCollector(engine_stats))

@@ -1,0 +1,399 @@
+"""OpenAI Chat Completions and Completions: POST /v1/chat/completions, /v1/completions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenfleet.errors import InvalidRequestError
+from tokenfleet.outputs import TokenLogprobs
+from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.server.body import read_body
+from tokenfleet.server.errors import APIError, openai_error_body
+from tokenfleet.server.service import GenerationService, TextDelta
+from tokenfleet.server.sse import prime, sse_event
+from tokenfleet.tokenizer import Tokenizer
+
+router = APIRouter()
+
+FINISH_REASONS = {"stop": "stop", "stop_sequence": "stop", "length": "length", "abort": "stop"}
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    n: int = Field(1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+
+    def stop_list(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > 4:
+            raise APIError(400, "invalid_request", "stop: at most 4 sequences", param="stop")
+        return stop
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+def _params(body: _Common, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=None if body.seed is None else body.seed + index,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as exc:
+        raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
+
+
+async def _merge(streams: list[AsyncIterator[TextDelta]]) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Interleave several choices' streams; closing the merge closes (aborts) them all."""
+    queue: asyncio.Queue[tuple[int, TextDelta | Exception | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TextDelta]) -> None:
+        try:
+            async with contextlib.aclosing(stream):  # type: ignore[type-var]
+                async for delta in stream:
+                    await queue.put((index, delta))
+        except Exception as exc:
+            await queue.put((index, exc))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [
+        {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+        for e in entries
+    ]
+
+
+def _completion_logprobs(
+    tokenizer: Tokenizer, entries: list[TokenLogprobs], offset: int
+) -> dict[str, Any]:
+    tokens = [_token_text(tokenizer, e.token_id) for e in entries]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+class _Run:
+    """One API call: its prompts (one per choice), the merged stream and the accounting."""
+
+    def __init__(self, service: GenerationService, body: _Common, route: str) -> None:
+        self.service, self.body, self.route = service, body, route
+        self.id = (
+            "chatcmpl-" if route.endswith("chat/completions") else "cmpl-"
+        ) + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.prompt_tokens = 0
+        self.completion_tokens = [0]
+
+    def start(
+        self, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
+        self.prompt_tokens = sum(len(p) for p in prompts[:: self.body.n])
+        self.completion_tokens = [0] * len(prompts)
+        stop = self.body.stop_list()
+        self.service.admit(sum(len(p) for p in prompts[:: self.body.n]))
+        streams = [
+            self.service.generate(
+                p, _params(self.body, m, logprobs, i % self.body.n), stop, route=self.route
+            )
+            for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
+        ]
+        return _merge(streams)
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(self.completion_tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+    service: GenerationService = request.app.state.service
+    body = await read_body(request, ChatRequest)
+    service.check_model(body.model)
+    messages = []
+    for m in body.messages:
+        content = (
+            m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        )
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    prompt = service.render_chat(messages)
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(service.max_model_len - len(prompt), 1)
+    service.check_length(len(prompt), max_tokens, param)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    run = _Run(service, body, "/v1/chat/completions")
+    first, merged = await prime(run.start([prompt] * body.n, [max_tokens] * body.n, num_top))
+    tokenizer = service.tokenizer
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        data: dict[str, Any] = {
+            "id": run.id,
+            "object": "chat.completion.chunk",
+            "created": run.created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if body.stream_options and body.stream_options.include_usage:
+            data["usage"] = usage
+        return sse_event(data)
+
+    if body.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            for i in range(body.n):
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+            async with contextlib.aclosing(merged):  # type: ignore[type-var]
+                try:
+                    async for i, d in _prepend(first, merged):
+                        run.completion_tokens[i] = d.num_output_tokens
+                        lp = (
+                            {"content": _chat_logprobs(tokenizer, d.logprobs)}
+                            if num_top is not None
+                            else None
+                        )
+                        reason = (
+                            FINISH_REASONS.get(d.finish_reason or "") if d.finish_reason else None
+                        )
+                        if d.text or lp:
+                            choice = {
+                                "index": i,
+                                "delta": {"content": d.text},
+                                "logprobs": lp,
+                                "finish_reason": None,
+                            }
+                            yield chunk([choice])
+                        if reason:
+                            yield chunk(
+                                [
+                                    {
+                                        "index": i,
+                                        "delta": {},
+                                        "logprobs": None,
+                                        "finish_reason": reason,
+                                    }
+                                ]
+                            )
+                except APIError as exc:
+                    yield sse_event(openai_error_body(exc.kind, exc.message, exc.param))
+                    return
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], run.usage())
+            yield sse_event("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    texts = [""] * body.n
+    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(body.n)]
+    reasons = ["stop"] * body.n
+    async for i, d in _prepend(first, merged):
+        texts[i] += d.text
+        logprobs[i] += _chat_logprobs(tokenizer, d.logprobs)
+        run.completion_tokens[i] = d.num_output_tokens
+        if d.finish_reason:
+            reasons[i] = FINISH_REASONS.get(d.finish_reason, "stop")
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i], "refusal": None},
+            "logprobs": {"content": logprobs[i]} if num_top is not None else None,
+            "finish_reason": reasons[i],
+        }
+        for i in range(body.n)
+    ]
+    return JSONResponse(
+        {
+            "id": run.id,
+            "object": "chat.completion",
+            "created": run.created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": choices,
+            "usage": run.usage(),
+        }
+    )
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> JSONResponse | StreamingResponse:
+    service: GenerationService = request.app.state.service
+    body = await read_body(request, CompletionRequest)
+    service.check_model(body.model)
+    raw = body.prompt
+    if isinstance(raw, str):
+        prompts = [service.tokenizer.encode(raw)]
+    elif raw and all(isinstance(p, int) for p in raw):
+        prompts = [list(raw)]  # type: ignore[arg-type]
+    else:
+        prompts = [service.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]  # type: ignore[union-attr]
+    if not prompts or any(not p for p in prompts):
+        raise APIError(400, "invalid_request", "prompt must not be empty", param="prompt")
+    vocab = service.client.info.vocab_size if service.client.info else 0
+    for p in prompts:
+        if any(not 0 <= t < vocab for t in p):
+            raise APIError(
+                400, "invalid_request", f"prompt token ids must be in [0, {vocab})", param="prompt"
+            )
+        service.check_length(len(p), body.max_tokens, "max_tokens")
+    expanded = [p for p in prompts for _ in range(body.n)]
+    run = _Run(service, body, "/v1/completions")
+    first, merged = await prime(
+        run.start(expanded, [body.max_tokens] * len(expanded), body.logprobs)
+    )
+    tokenizer = service.tokenizer
+    offsets = [0] * len(expanded)
+
+    def choice(i: int, d: TextDelta, text: str) -> dict[str, Any]:
+        lp = None
+        if body.logprobs is not None:
+            lp = _completion_logprobs(tokenizer, d.logprobs, offsets[i])
+        reason = FINISH_REASONS.get(d.finish_reason, "stop") if d.finish_reason else None
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    def data(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": run.id,
+            "object": "text_completion",
+            "created": run.created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if usage is not None or not body.stream:
+            out["usage"] = usage
+        elif body.stream_options and body.stream_options.include_usage:
+            out["usage"] = None
+        return out
+
+    if body.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            async with contextlib.aclosing(merged):  # type: ignore[type-var]
+                try:
+                    async for i, d in _prepend(first, merged):
+                        run.completion_tokens[i] = d.num_output_tokens
+                        if d.text or d.finish_reason:
+                            yield sse_event(data([choice(i, d, d.text)]))
+                        offsets[i] += len(d.text)
+                except APIError as exc:
+                    yield sse_event(openai_error_body(exc.kind, exc.message, exc.param))
+                    return
+            if body.stream_options and body.stream_options.include_usage:
+                yield sse_event(data([], run.usage()))
+            yield sse_event("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    texts = [""] * len(expanded)
+    entries: list[list[TokenLogprobs]] = [[] for _ in expanded]
+    last: list[TextDelta | None] = [None] * len(expanded)
+    async for i, d in _prepend(first, merged):
+        texts[i] += d.text
+        entries[i] += d.logprobs
+        run.completion_tokens[i] = d.num_output_tokens
+        last[i] = d
+    choices = []
+    for i, d in enumerate(last):
+        assert d is not None
+        whole = TextDelta(texts[i], [], d.num_output_tokens, entries[i], d.finish_reason)
+        choices.append(choice(i, whole, texts[i]))
+    return JSONResponse(data(choices, run.usage()))
+
+
+async def _prepend(
+    first: tuple[int, TextDelta] | None, rest: AsyncIterator[tuple[int, TextDelta]]
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
