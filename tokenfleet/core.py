@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 from tokenfleet import envs
 from tokenfleet.config import EngineConfig
-from tokenfleet.errors import ContextLengthError, InvalidRequestError, ModelLoadError
+from tokenfleet.errors import ContextLengthError, InvalidRequestError
 from tokenfleet.kv_cache import KVCacheManager
+from tokenfleet.model_folder import resolve_model_folder
 from tokenfleet.model_runner import ModelRunner
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.outputs import (
@@ -32,18 +32,6 @@ from tokenfleet.request import Request
 from tokenfleet.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_folder(model: str | None) -> Path:
-    """A Hugging Face folder; None means the bundled model, converted on first use."""
-    if model is None:
-        from tokenfleet.bundled_model import prepare_bundled_model
-
-        return prepare_bundled_model(envs.cache_dir() / "models")
-    folder = Path(model).expanduser()
-    if not folder.is_dir():
-        raise ModelLoadError(f"model folder {folder} does not exist")
-    return folder
 
 
 class EngineCore:

@@ -145,6 +145,7 @@ class AsyncEngineClient:
 
     def _fail_all(self, error: Exception) -> None:
         self._ready.clear()
+        self.stats = None  # the dead engine's gauges are no longer true
         for queue in self._queues.values():
             queue.put_nowait(error)
 

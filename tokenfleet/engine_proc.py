@@ -37,6 +37,8 @@ from tokenfleet.outputs import (
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
+ARRIVAL_WINDOW_MS = 2  # wait this long for one more arrival...
+ARRIVAL_WINDOW_MAX_S = 0.01  # ...but no longer than this in all
 
 
 def _die_with_parent() -> None:
@@ -71,10 +73,19 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
         busy = core.has_unfinished_requests() or core.has_pending_outputs()
         timeout_ms = 0 if busy else int(HEARTBEAT_INTERVAL_S * 1000)
         if inputs.poll(timeout_ms):
+            window_end = time.monotonic() + ARRIVAL_WINDOW_MAX_S
             while True:
                 try:
                     message = decoder.decode(inputs.recv(zmq.NOBLOCK))
                 except zmq.Again:
+                    # Waking from idle, give a burst of arrivals a moment to land in the
+                    # same first step instead of queueing behind the first one's prefill.
+                    if (
+                        not busy
+                        and time.monotonic() < window_end
+                        and inputs.poll(ARRIVAL_WINDOW_MS)
+                    ):
+                        continue
                     break
                 if isinstance(message, Shutdown):
                     return

@@ -3,38 +3,51 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.body import read_body
 from tokenfleet.server.errors import APIError, anthropic_error_body
-from tokenfleet.server.service import GenerationService, TextDelta
+from tokenfleet.server.service import (
+    ClientDisconnected,
+    GenerationService,
+    TextDelta,
+    cancel_on_disconnect,
+)
 from tokenfleet.server.sse import prime, sse_event
 
+logger = logging.getLogger(__name__)
 router = APIRouter()
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
 
 
+# Strict: JSON types as they are, no coercion (max_tokens true or "10", stream "yes" are
+# 400s, as on Anthropic's API, rather than 1, 10 and True).
 class TextBlock(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     type: Literal["text"]
     text: str
 
 
 class MessageParam(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     role: Literal["user", "assistant"]
     content: str | list[TextBlock]
 
 
 class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     messages: list[MessageParam] = Field(min_length=1)
@@ -43,7 +56,7 @@ class CountTokensRequest(BaseModel):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
+    temperature: float = Field(1.0, ge=0, le=1)  # Anthropic's range
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     stop_sequences: list[str] = Field(default_factory=list, max_length=16)
@@ -70,7 +83,7 @@ async def count_tokens(request: Request) -> JSONResponse:
 
 
 @router.post("/v1/messages", response_model=None)
-async def create_message(request: Request) -> JSONResponse | StreamingResponse:
+async def create_message(request: Request) -> Response:
     service: GenerationService = request.app.state.service
     body = await read_body(request, MessagesRequest)
     prompt = _prompt(service, body)
@@ -100,18 +113,27 @@ async def create_message(request: Request) -> JSONResponse | StreamingResponse:
     }
     if body.stream:
         return StreamingResponse(_stream(message, first, deltas), media_type="text/event-stream")
-    text, last = "", first
-    if first is not None:
-        text = first.text
-        async for delta in deltas:
-            text += delta.text
-            last = delta
-    assert last is not None and last.finish_reason is not None
+    try:
+        text, last = await cancel_on_disconnect(request, _collect(first, deltas))
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody reads it; the engine request was aborted
     message["content"] = [{"type": "text", "text": text}]
     message["stop_reason"] = STOP_REASONS.get(last.finish_reason, "end_turn")
     message["stop_sequence"] = last.stop_sequence
     message["usage"] = {"input_tokens": len(prompt), "output_tokens": last.num_output_tokens}
     return JSONResponse(message)
+
+
+async def _collect(
+    first: TextDelta | None, deltas: AsyncIterator[TextDelta]
+) -> tuple[str, TextDelta]:
+    text, last = "", first
+    async with contextlib.aclosing(deltas):
+        async for delta in _chain([first] if first is not None else [], deltas):
+            text += delta.text
+            last = delta
+    assert last is not None and last.finish_reason is not None
+    return text, last
 
 
 async def _stream(
@@ -137,6 +159,10 @@ async def _stream(
                     yield sse_event(event, "content_block_delta")
         except APIError as exc:
             yield sse_event(anthropic_error_body(exc.kind, exc.message), "error")
+            return
+        except Exception:
+            logger.exception("stream failed after its 200")
+            yield sse_event(anthropic_error_body("internal", "internal server error"), "error")
             return
     assert last is not None and last.finish_reason is not None
     yield sse_event({"type": "content_block_stop", "index": 0}, "content_block_stop")

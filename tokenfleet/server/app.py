@@ -3,20 +3,24 @@ health, models and metrics; the two API routers do the rest."""
 
 from __future__ import annotations
 
+import gc
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import MutableHeaders
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenfleet.core import resolve_model_folder
 from tokenfleet.engine_client import AsyncEngineClient
+from tokenfleet.model_folder import resolve_model_folder
 from tokenfleet.server import anthropic_api, openai_api
-from tokenfleet.server.errors import APIError, error_response, request_id
+from tokenfleet.server.errors import APIError, error_response, is_anthropic_route, request_id
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.service import GenerationService
 from tokenfleet.server.settings import ServeConfig
@@ -35,6 +39,38 @@ def _authorized(request: Request, keys: frozenset[str]) -> bool:
     return given is not None and any(hmac.compare_digest(given, k) for k in keys)
 
 
+class _RequestContext:
+    """Request ids and API keys, as plain ASGI: Starlette's BaseHTTPMiddleware would pass
+    every streamed chunk through an extra stream and task, on the time-per-token path."""
+
+    def __init__(self, app: ASGIApp, api_keys: frozenset[str]) -> None:
+        self.app = app
+        self.api_keys = api_keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        rid = request_id(request)
+        if (
+            self.api_keys
+            and scope["path"] not in _OPEN_PATHS
+            and not _authorized(request, self.api_keys)
+        ):
+            error = APIError(401, "authentication", "missing or invalid API key")
+            await error_response(request, error)(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                headers["request-id"] = rid
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(config: ServeConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,6 +87,10 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.state.service = GenerationService(client, Tokenizer(folder), config, metrics)
         app.state.started = int(time.time())
         await client.start()
+        # Everything loaded so far lives as long as the server: keep the collector from
+        # walking it again on every full collection (a pause in every stream).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
@@ -59,26 +99,26 @@ def create_app(config: ServeConfig) -> FastAPI:
     app = FastAPI(title="tokenfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
 
-    @app.middleware("http")
-    async def request_context(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        rid = request_id(request)
-        if (
-            config.api_keys
-            and request.url.path not in _OPEN_PATHS
-            and not _authorized(request, config.api_keys)
-        ):
-            return error_response(
-                request, APIError(401, "authentication", "missing or invalid API key")
-            )
-        response = await call_next(request)
-        response.headers["request-id"] = rid
-        return response
+    app.add_middleware(_RequestContext, api_keys=config.api_keys)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing errors (an unknown path, a wrong method) in the API's own error format.
+        path, status = request.url.path, exc.status_code
+        if status == 404:
+            message = f"invalid URL ({request.method} {path})"
+        elif status == 405:
+            message = f"method {request.method} not allowed on {path}"
+        else:
+            message = str(exc.detail)
+        kind = "not_found" if status == 404 and is_anthropic_route(path) else "invalid_request"
+        response = error_response(request, APIError(status, kind, message))
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

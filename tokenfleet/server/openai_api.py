@@ -6,11 +6,11 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenfleet.errors import InvalidRequestError
@@ -18,7 +18,12 @@ from tokenfleet.outputs import TokenLogprobs
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.body import read_body
 from tokenfleet.server.errors import APIError, openai_error_body
-from tokenfleet.server.service import GenerationService, TextDelta
+from tokenfleet.server.service import (
+    ClientDisconnected,
+    GenerationService,
+    TextDelta,
+    cancel_on_disconnect,
+)
 from tokenfleet.server.sse import prime, sse_event
 from tokenfleet.tokenizer import Tokenizer
 
@@ -96,6 +101,11 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None, index: int) ->
 
 async def _merge(streams: list[AsyncIterator[TextDelta]]) -> AsyncIterator[tuple[int, TextDelta]]:
     """Interleave several choices' streams; closing the merge closes (aborts) them all."""
+    if len(streams) == 1:  # the common case: no pump task and queue per token
+        async with contextlib.aclosing(streams[0]):  # type: ignore[type-var]
+            async for delta in streams[0]:
+                yield 0, delta
+        return
     queue: asyncio.Queue[tuple[int, TextDelta | Exception | None]] = asyncio.Queue()
 
     async def pump(index: int, stream: AsyncIterator[TextDelta]) -> None:
@@ -192,10 +202,25 @@ class _Run:
         }
 
 
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """A stream's work ends when its response starts; from there the streaming response
+    itself stops (and aborts) on a disconnect. A non-streamed reply is cancelled here."""
+    try:
+        return await cancel_on_disconnect(request, work)
+    except ClientDisconnected:
+        return Response(status_code=499)  # client closed request; no one reads it
+
+
 @router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+async def chat_completions(request: Request) -> Response:
     service: GenerationService = request.app.state.service
     body = await read_body(request, ChatRequest)
+    return await _unless_disconnected(request, _chat_completions(service, body))
+
+
+async def _chat_completions(
+    service: GenerationService, body: ChatRequest
+) -> JSONResponse | StreamingResponse:
     service.check_model(body.model)
     messages = []
     for m in body.messages:
@@ -305,9 +330,15 @@ async def chat_completions(request: Request) -> JSONResponse | StreamingResponse
 
 
 @router.post("/v1/completions", response_model=None)
-async def completions(request: Request) -> JSONResponse | StreamingResponse:
+async def completions(request: Request) -> Response:
     service: GenerationService = request.app.state.service
     body = await read_body(request, CompletionRequest)
+    return await _unless_disconnected(request, _completions(service, body))
+
+
+async def _completions(
+    service: GenerationService, body: CompletionRequest
+) -> JSONResponse | StreamingResponse:
     service.check_model(body.model)
     raw = body.prompt
     if isinstance(raw, str):
@@ -315,7 +346,7 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
     elif raw and all(isinstance(p, int) for p in raw):
         prompts = [list(raw)]  # type: ignore[arg-type]
     else:
-        prompts = [service.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]  # type: ignore[union-attr]
+        prompts = [service.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]  # type: ignore[arg-type]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "invalid_request", "prompt must not be empty", param="prompt")
     vocab = service.client.info.vocab_size if service.client.info else 0
@@ -337,6 +368,8 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
         lp = None
         if body.logprobs is not None:
             lp = _completion_logprobs(tokenizer, d.logprobs, offsets[i])
+            if lp["tokens"]:  # a stream's next chunk goes on from the last token's end
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         reason = FINISH_REASONS.get(d.finish_reason, "stop") if d.finish_reason else None
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
 
@@ -362,9 +395,10 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
                 try:
                     async for i, d in _prepend(first, merged):
                         run.completion_tokens[i] = d.num_output_tokens
-                        if d.text or d.finish_reason:
+                        # Tokens whose text is held back (a partial character or stop
+                        # string) still carry their logprobs.
+                        if d.text or d.finish_reason or (body.logprobs is not None and d.logprobs):
                             yield sse_event(data([choice(i, d, d.text)]))
-                        offsets[i] += len(d.text)
                 except APIError as exc:
                     yield sse_event(openai_error_body(exc.kind, exc.message, exc.param))
                     return
@@ -383,9 +417,9 @@ async def completions(request: Request) -> JSONResponse | StreamingResponse:
         run.completion_tokens[i] = d.num_output_tokens
         last[i] = d
     choices = []
-    for i, d in enumerate(last):
-        assert d is not None
-        whole = TextDelta(texts[i], [], d.num_output_tokens, entries[i], d.finish_reason)
+    for i, final in enumerate(last):
+        assert final is not None
+        whole = TextDelta(texts[i], [], final.num_output_tokens, entries[i], final.finish_reason)
         choices.append(choice(i, whole, texts[i]))
     return JSONResponse(data(choices, run.usage()))
 

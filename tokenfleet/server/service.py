@@ -3,12 +3,15 @@ deltas (detokenized, stop strings applied) for one engine request."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from fastapi import Request
 
 from tokenfleet.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
@@ -19,6 +22,37 @@ from tokenfleet.server.errors import APIError
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.settings import ServeConfig
 from tokenfleet.tokenizer import Tokenizer
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The caller went away before its non-streamed reply was ready."""
+
+
+async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Await `work` (collecting a non-streamed reply) unless the client disconnects first:
+    then cancel it, which closes its generation and so aborts the engine request, and
+    raise ClientDisconnected. (A streamed reply needs none of this: Starlette stops the
+    stream, and closing it aborts the request.)"""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its abort go out
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read: what the server sends next is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass

@@ -1,0 +1,843 @@
+"""Gateway overhead: the time the HTTP gateway adds per token and to the first token.
+
+The same greedy workload (waves of C concurrent requests with short fixed prompts, each
+producing exactly --max-tokens tokens with EOS ignored) runs three ways in one run, on three
+engines with identical settings:
+
+* core:   `EngineCore` in this process, `step()` in a loop: the engine alone;
+* client: `AsyncEngineClient`, the engine in its own process behind ZMQ (what the gateway
+          uses), driven from this process's event loop;
+* http:   `tokenfleet serve` as a subprocess on 127.0.0.1, streaming `/v1/completions` with
+          token-id prompts over httpx, the SSE events parsed here.
+
+Per request it records when it was sent and when each token arrived (core: when `step()`
+returned it; client: when `generate` yielded it; http: when its SSE event was read), so
+TTFT = first token - sent and TPOT = the gaps between consecutive tokens. Modes run
+interleaved, round after round (their order rotated each round), and each figure is the
+median over rounds of that round's median (or p90). Added time = a mode's figure minus the
+core's: http - core is the gateway's whole cost, client - core the process boundary alone.
+It also reads the CPU time every process spent (bench, gateway, engine) from /proc, per
+output token, and how much CPU other processes took meanwhile (noise).
+
+    .venv/bin/python bench/gateway_overhead.py                          # the full benchmark
+    .venv/bin/python bench/gateway_overhead.py --rounds 1 --max-tokens 16 --out /tmp/bench
+
+Writes `gateway_overhead.json` and `gateway_overhead.png` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+import torch
+from offline_throughput import cpu_busy_fraction, format_table, machine_info
+from tqdm import tqdm
+
+from tokenfleet import envs
+from tokenfleet.bundled_model import prepare_bundled_model
+from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenfleet.core import EngineCore
+from tokenfleet.engine_client import AsyncEngineClient
+from tokenfleet.outputs import EngineCoreRequest
+from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.tokenizer import Tokenizer
+
+RESULT_NAME = "gateway_overhead"
+SERVED_MODEL_NAME = "smollm2-135m-instruct"
+MODES = ("core", "client", "http")
+MODE_NAMES = {
+    "core": "engine core (in-process)",
+    "client": "engine process (ZMQ client)",
+    "http": "HTTP gateway (serve)",
+}
+MODE_COLORS = {"core": "tab:blue", "client": "tab:orange", "http": "tab:green"}
+GOAL_TPOT_MS = 1.0  # the gateway may add at most this per token...
+GOAL_TTFT_MS = 5.0  # ...and this to the first token
+BUSY_WARNING = 0.1
+MAX_NUM_BATCHED_TOKENS = 512
+BLOCK_SIZE = 16
+# English text, so that (nearly) every greedy output token decodes to text of its own and
+# gets its own SSE event: a token ending inside a UTF-8 character would be held back.
+PROMPT_TEXT = (
+    "Tale number {i}. Once upon a time, in a small village by the sea, there lived an old "
+    "fisherman who went out every morning before dawn. One day, as the sun rose over the "
+    "water, he saw something shining beneath the waves, and he leaned over the side of his "
+    "boat to look more closely."
+)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- workload ----------------------------------------------------------------------------
+
+
+def make_prompts(tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` different prompts of exactly `length` token ids."""
+    prompts = []
+    for i in range(count):
+        ids = tokenizer.encode(PROMPT_TEXT.format(i=i))
+        while len(ids) < length:
+            ids += ids
+        prompts.append(ids[:length])
+    return prompts
+
+
+@dataclass
+class RequestTiming:
+    """One request: when it was sent and when each token arrived (perf_counter seconds)."""
+
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0  # tokens generated (http: from the usage chunk)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def gaps(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+
+@dataclass
+class RoundResult:
+    mode: str
+    concurrency: int
+    round: int
+    requests: list[RequestTiming]
+    wall_s: float
+    cpu_s: dict[str, float]  # process role -> CPU seconds during the round
+    other_cpu_share: float | None  # share of the machine's CPUs that other processes used
+    # http only: the mean TTFT the gateway itself recorded for these requests (/metrics:
+    # from its service layer taking the request to the engine's first output arriving)
+    gateway_ttft_mean_ms: float | None = None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    def ttfts_ms(self) -> list[float]:
+        return [1e3 * r.ttft for r in self.requests]
+
+    def gaps_ms(self) -> list[float]:
+        return [1e3 * g for r in self.requests for g in r.gaps]
+
+    def summary(self) -> dict[str, float]:
+        ttft, gaps = self.ttfts_ms(), self.gaps_ms()
+        return {
+            "ttft_min_ms": min(ttft),
+            "ttft_mean_ms": statistics.mean(ttft),
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p90_ms": percentile(ttft, 90),
+            "tpot_p50_ms": percentile(gaps, 50),
+            "tpot_p90_ms": percentile(gaps, 90),
+            "output_tokens_per_s": self.output_tokens / self.wall_s,
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+# -- CPU accounting ----------------------------------------------------------------------
+
+
+def proc_cpu_s(pid: int | str) -> float:
+    """User + system CPU seconds of a process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes have spent, summed over every CPU, from /proc/stat."""
+    with open("/proc/stat") as f:
+        # user nice system idle iowait irq softirq steal (guest time is already in user)
+        values = [int(x) for x in f.readline().split()[1:9]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values) - idle) / CLK_TCK
+
+
+class CpuMeter:
+    """CPU time of named processes, and of everything else on the machine, over a span."""
+
+    def __init__(self, pids: dict[str, int | str]) -> None:
+        self.pids = pids
+
+    def sample(self) -> tuple[float, dict[str, float], float]:
+        return (
+            time.perf_counter(),
+            {k: proc_cpu_s(p) for k, p in self.pids.items()},
+            machine_busy_s(),
+        )
+
+    def since(
+        self, start: tuple[float, dict[str, float], float]
+    ) -> tuple[dict[str, float], float | None]:
+        t0, ours0, busy0 = start
+        t1, ours1, busy1 = self.sample()
+        ours = {k: ours1[k] - ours0[k] for k in ours1}
+        wall = t1 - t0
+        cpus = os.cpu_count() or 1
+        other = (busy1 - busy0 - sum(ours.values())) / (wall * cpus) if wall > 0 else None
+        return ours, None if other is None else max(0.0, other)
+
+
+# -- the three ways of serving a wave ----------------------------------------------------
+
+
+def core_wave(
+    core: EngineCore, prompts: list[list[int]], params: SamplingParams
+) -> list[RequestTiming]:
+    """Add every request, then step until all finish; a token arrives when step() returns."""
+    timings: dict[str, RequestTiming] = {}
+    for prompt in prompts:
+        req_id = uuid.uuid4().hex
+        timings[req_id] = RequestTiming(time.perf_counter())
+        core.add_request(EngineCoreRequest(req_id, prompt, params, time.monotonic()))
+    while core.has_unfinished_requests():
+        out = core.step()
+        now = time.perf_counter()
+        for o in out.outputs:
+            if o.new_token_ids:
+                timing = timings[o.req_id]
+                timing.token_times.append(now)
+                timing.num_tokens += len(o.new_token_ids)
+    return list(timings.values())
+
+
+async def client_wave(
+    client: AsyncEngineClient, prompts: list[list[int]], params: SamplingParams
+) -> list[RequestTiming]:
+    async def one(prompt: list[int]) -> RequestTiming:
+        timing = RequestTiming(time.perf_counter())
+        request = EngineCoreRequest(uuid.uuid4().hex, prompt, params, time.monotonic())
+        async for out in client.generate(request):
+            if out.new_token_ids:
+                timing.token_times.append(time.perf_counter())
+                timing.num_tokens += len(out.new_token_ids)
+        return timing
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def http_wave(
+    http: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int
+) -> list[RequestTiming]:
+    async def one(prompt: list[int]) -> RequestTiming:
+        body = {
+            "model": SERVED_MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        timing = RequestTiming(time.perf_counter())
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                await response.aread()
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
+            async for line in response.aiter_lines():
+                now = time.perf_counter()
+                if not line.startswith("data: "):
+                    continue
+                payload = line[6:]
+                if payload == "[DONE]":
+                    break
+                data = json.loads(payload)
+                if "error" in data:
+                    raise RuntimeError(f"error event: {data['error']}")
+                if data["choices"]:
+                    timing.token_times.append(now)
+                if data.get("usage"):
+                    timing.num_tokens = data["usage"]["completion_tokens"]
+        return timing
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+# -- the gateway process -----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Gateway:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    engine_pid: int = 0
+
+
+async def start_gateway(argv_tail: list[str], log_dir: Path, timeout_s: float = 300) -> Gateway:
+    port = free_port()
+    log = log_dir / "serve.log"
+    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), *argv_tail]
+    with log.open("wb") as out:
+        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=5) as http:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"tokenfleet serve exited: {log.read_text()[-3000:]}")
+            try:
+                response = await http.get("/health")
+                if response.status_code == 200:
+                    gateway.engine_pid = int(response.json()["engine_pid"])
+                    return gateway
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.2)
+    stop_gateway(gateway)
+    raise TimeoutError(f"tokenfleet serve not healthy in {timeout_s}s: {log.read_text()[-3000:]}")
+
+
+def stop_gateway(gateway: Gateway) -> None:
+    if gateway.process.poll() is None:
+        gateway.process.send_signal(signal.SIGTERM)
+        try:
+            gateway.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            gateway.process.kill()
+            gateway.process.wait()
+
+
+# -- results -----------------------------------------------------------------------------
+
+METRICS = (
+    "ttft_min_ms",
+    "ttft_p50_ms",
+    "ttft_p90_ms",
+    "tpot_p50_ms",
+    "tpot_p90_ms",
+    "output_tokens_per_s",
+)
+LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
+
+
+async def gateway_ttft(http: httpx.AsyncClient) -> tuple[float, int]:
+    """The gateway's own TTFT histogram: (sum of seconds, count) over every label set."""
+    text = (await http.get("/metrics")).text
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name.startswith("tokenfleet_time_to_first_token_seconds_sum"):
+            total += float(value)
+        elif name.startswith("tokenfleet_time_to_first_token_seconds_count"):
+            count += int(float(value))
+    return total, count
+
+
+def summarize(rounds: list[RoundResult], concurrencies: Sequence[int]) -> dict[str, Any]:
+    """Per concurrency and mode: medians over rounds of each round's figures, CPU per token,
+    and the time each mode adds to the core's (differences of those medians)."""
+    out: dict[str, Any] = {}
+    for c in concurrencies:
+        modes: dict[str, Any] = {}
+        for mode in MODES:
+            rs = [r for r in rounds if r.mode == mode and r.concurrency == c]
+            per_round = [r.summary() for r in rs]
+            tokens = sum(r.output_tokens for r in rs)
+            roles = rs[0].cpu_s.keys() if rs else []
+            others = [r.other_cpu_share for r in rs if r.other_cpu_share is not None]
+            modes[mode] = {
+                **{m: statistics.median(s[m] for s in per_round) for m in METRICS},
+                "per_round": per_round,
+                "cpu_ms_per_token": {
+                    role: 1e3 * sum(r.cpu_s[role] for r in rs) / tokens for role in roles
+                },
+                "other_processes_cpu_share": statistics.mean(others) if others else None,
+                "requests": sum(len(r.requests) for r in rs),
+                "output_tokens": tokens,
+                "tokens_without_own_event": sum(
+                    q.num_tokens - len(q.token_times) for r in rs for q in r.requests
+                ),
+            }
+        added: dict[str, Any] = {}
+        for name, mode, base in (
+            ("http_minus_core", "http", "core"),
+            ("client_minus_core", "client", "core"),
+            ("http_minus_client", "http", "client"),
+        ):
+            added[name] = {m: modes[mode][m] - modes[base][m] for m in LATENCIES}
+            # The same difference round by round (a round's modes ran back to back): half
+            # its range over the rounds is the noise the verdicts allow for.
+            pairs = list(zip(modes[mode]["per_round"], modes[base]["per_round"], strict=True))
+            for m in LATENCIES:
+                diffs = [a[m] - b[m] for a, b in pairs]
+                added[name][f"{m}_per_round"] = diffs
+                added[name][f"{m}_noise"] = (
+                    (max(diffs) - min(diffs)) / 2 if len(diffs) > 1 else None
+                )
+        http_rounds = [
+            r
+            for r in rounds
+            if r.mode == "http" and r.concurrency == c and r.gateway_ttft_mean_ms is not None
+        ]
+        client_side = [r.summary()["ttft_mean_ms"] for r in http_rounds]
+        gateway_side = [r.gateway_ttft_mean_ms for r in http_rounds]
+        out[str(c)] = {
+            "modes": modes,
+            "added": added,
+            # Paired within the same requests, so the engine's own time cancels out.
+            "http_layer_ttft": {
+                "client_mean_ms": statistics.median(client_side),
+                "gateway_mean_ms": statistics.median(g for g in gateway_side if g is not None),
+                "added_ms": statistics.median(
+                    a - b for a, b in zip(client_side, gateway_side, strict=True) if b is not None
+                ),
+            }
+            if http_rounds
+            else None,
+        }
+    return out
+
+
+def verdict(value: float, noise: float | None, goal: float) -> str:
+    """'met' or 'not met' only when the round-to-round noise cannot flip it."""
+    if noise is None:
+        return ("met" if value < goal else "not met") + " (one round: noise unknown)"
+    if value + noise < goal:
+        return "met"
+    if value - noise >= goal:
+        return "not met"
+    return "inconclusive"
+
+
+def fmt_noise(noise: float | None) -> str:
+    return "?" if noise is None else f"{noise:.2f}"
+
+
+def goals(summary: dict[str, Any]) -> dict[str, Any]:
+    result = {}
+    for c, s in summary.items():
+        added = s["added"]["http_minus_core"]
+        for name, metric, goal in (
+            ("tpot", "tpot_p50_ms", GOAL_TPOT_MS),
+            ("ttft", "ttft_p50_ms", GOAL_TTFT_MS),
+        ):
+            value, noise = added[metric], added[f"{metric}_noise"]
+            result[f"{name}_added_at_{c}"] = {
+                "value_ms": value,
+                "noise_ms": noise,
+                "goal_ms": goal,
+                "met": value < goal,
+                "verdict": verdict(value, noise, goal),
+            }
+    return result
+
+
+def round_to_json(r: RoundResult) -> dict[str, Any]:
+    return {
+        "mode": r.mode,
+        "concurrency": r.concurrency,
+        "round": r.round,
+        "wall_s": r.wall_s,
+        "cpu_s": r.cpu_s,
+        "other_processes_cpu_share": r.other_cpu_share,
+        "gateway_ttft_mean_ms": r.gateway_ttft_mean_ms,
+        **r.summary(),
+        "requests": [
+            {
+                "ttft_ms": round(1e3 * q.ttft, 3),
+                "num_tokens": q.num_tokens,
+                "token_ms": [round(1e3 * (t - q.sent), 3) for t in q.token_times],
+            }
+            for q in r.requests
+        ],
+    }
+
+
+def plot(path: Path, rounds: list[RoundResult], summary: dict[str, Any]) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend state
+
+    concurrencies = [int(c) for c in summary]
+    fig = Figure(figsize=(15, 4.2 * len(concurrencies)), layout="constrained")
+    axes = fig.subplots(len(concurrencies), 3, squeeze=False)
+    for row, c in zip(axes, concurrencies, strict=True):
+        ttft_ax, tpot_ax, added_ax = row
+        for mode in MODES:
+            rs = [r for r in rounds if r.mode == mode and r.concurrency == c]
+            for ax, values in (
+                (ttft_ax, [v for r in rs for v in r.ttfts_ms()]),
+                (tpot_ax, [v for r in rs for v in r.gaps_ms()]),
+            ):
+                if values:
+                    xs = np.sort(values)
+                    ys = np.arange(1, len(xs) + 1) / len(xs)
+                    ax.step(xs, ys, where="post", color=MODE_COLORS[mode], label=MODE_NAMES[mode])
+        ttft_ax.set_title(f"time to first token, {c} stream{'s' if c > 1 else ''}")
+        ttft_ax.set_xlabel("ms")
+        tpot_ax.set_title(f"time between tokens, {c} stream{'s' if c > 1 else ''}")
+        tpot_ax.set_xlabel("ms")
+        tpot_p99 = max(
+            (percentile(r.gaps_ms(), 99) for r in rounds if r.concurrency == c), default=0
+        )
+        if tpot_p99 > 0:
+            tpot_ax.set_xlim(0, 1.2 * tpot_p99)
+        for ax in (ttft_ax, tpot_ax):
+            ax.set_ylabel("fraction of samples")
+            ax.grid(alpha=0.3)
+            ax.legend(loc="lower right", fontsize="small")
+
+        added = summary[str(c)]["added"]
+        labels = ["TTFT", "TPOT"]
+        x = np.arange(len(labels))
+        for k, (name, mode) in enumerate(
+            (("client_minus_core", "client"), ("http_minus_core", "http"))
+        ):
+            values = [added[name]["ttft_p50_ms"], added[name]["tpot_p50_ms"]]
+            noise = [added[name][f"{m}_noise"] or 0.0 for m in ("ttft_p50_ms", "tpot_p50_ms")]
+            rects = added_ax.bar(
+                x + (k - 0.5) * 0.35,
+                values,
+                0.35,
+                yerr=noise,
+                capsize=4,
+                color=MODE_COLORS[mode],
+                label=MODE_NAMES[mode],
+            )
+            added_ax.bar_label(rects, fmt="%+.1f", fontsize="small", label_type="center")
+        for i, goal in enumerate((GOAL_TTFT_MS, GOAL_TPOT_MS)):
+            added_ax.hlines(goal, i - 0.4, i + 0.4, colors="red", linestyles="dashed")
+        added_ax.axhline(0, color="black", linewidth=0.8)
+        added_ax.set_yscale("symlog", linthresh=1)
+        added_ax.set_xticks(x, labels)
+        added_ax.set_ylabel("ms over the engine core's median (symlog)")
+        added_ax.set_title(
+            f"added time (p50), {c} stream{'s' if c > 1 else ''}; bars: noise, red: goal"
+        )
+        added_ax.legend(loc="best", fontsize="small")
+    fig.savefig(path, dpi=110)
+
+
+# -- main --------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--model", default=None, help="Hugging Face model folder; none: the bundled model")
+    add("--rounds", type=int, default=3, help="measured rounds of every mode and concurrency")
+    add("--max-tokens", type=int, default=64, help="output tokens per request (EOS ignored)")
+    add("--prompt-len", type=int, default=16, help="prompt tokens per request")
+    add("--concurrency", type=int, nargs="+", default=[1, 32], help="streams at once")
+    add(
+        "--min-requests",
+        type=int,
+        default=4,
+        help="per round, waves of C requests run until at least this many ran",
+    )
+    add("--threads", type=int, default=1, help="torch threads of every engine")
+    add("--kv-cache-memory", type=int, default=256 << 20, help="KV cache bytes of every engine")
+    add("--out", type=Path, default=Path("bench/results"), help="folder for JSON and PNG")
+    args = parser.parse_args(argv)
+    for name in ("rounds", "max_tokens", "prompt_len", "min_requests", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.max_tokens < 2:
+        parser.error("--max-tokens must be at least 2 (TPOT needs two tokens)")
+    if any(c < 1 for c in args.concurrency):
+        parser.error("--concurrency values must be at least 1")
+    args.concurrency = sorted(set(args.concurrency))
+    return args
+
+
+def waves_per_round(concurrency: int, min_requests: int) -> int:
+    return math.ceil(min_requests / concurrency)
+
+
+async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    max_c = max(args.concurrency)
+    engine_config = EngineConfig(
+        model=str(folder),
+        num_threads=args.threads,
+        cache=CacheConfig(kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_num_seqs=max(64, max_c)
+        ),
+    )
+    serve_args = [
+        "--model",
+        str(folder),
+        "--num-threads",
+        str(args.threads),
+        "--kv-cache-memory",
+        str(args.kv_cache_memory),
+        "--no-prefix-caching",
+        "--max-num-batched-tokens",
+        str(MAX_NUM_BATCHED_TOKENS),
+        "--max-num-seqs",
+        str(max(64, max_c)),
+        "--ttft-target",
+        "3600",  # admission control off: the benchmark must never be refused
+    ]
+    tokenizer = Tokenizer(folder)
+    prompts = make_prompts(tokenizer, max_c, args.prompt_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    prime_params = msgspec.structs.replace(params, max_tokens=2)
+
+    print("loading: engine core in-process, engine process, tokenfleet serve ...")
+    t0 = time.perf_counter()
+    core = EngineCore(engine_config)
+    need_blocks = max_c * math.ceil((args.prompt_len + args.max_tokens) / BLOCK_SIZE)
+    if core.kv.pool.num_blocks < need_blocks:
+        raise SystemExit(
+            f"--kv-cache-memory holds {core.kv.pool.num_blocks} blocks; {max_c} requests of "
+            f"{args.prompt_len} + {args.max_tokens} tokens need {need_blocks} (raise it)"
+        )
+    async with AsyncExitStack() as stack:
+        log_dir = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="tokenfleet-gateway-bench-"))
+        )
+        # The event loop is blocked while the core runs in-process: never take that for a
+        # silent engine.
+        client = AsyncEngineClient(engine_config, heartbeat_timeout_s=24 * 3600)
+        await client.start()
+        stack.push_async_callback(client.shutdown)
+        gateway = await start_gateway(serve_args, log_dir)
+        stack.callback(stop_gateway, gateway)
+        limits = httpx.Limits(max_connections=max_c + 8, max_keepalive_connections=max_c + 8)
+        http = await stack.enter_async_context(
+            httpx.AsyncClient(base_url=gateway.url, timeout=600, limits=limits)
+        )
+        load_s = time.perf_counter() - t0
+        assert client.pid is not None
+        meters = {
+            "core": CpuMeter({"bench": "self"}),
+            "client": CpuMeter({"bench": "self", "engine": client.pid}),
+            "http": CpuMeter(
+                {"bench": "self", "gateway": gateway.process.pid, "engine": gateway.engine_pid}
+            ),
+        }
+
+        def wave_fn(mode: str, p: SamplingParams) -> Callable[[list[list[int]]], Awaitable[Any]]:
+            async def go(batch: list[list[int]]) -> list[RequestTiming]:
+                if mode == "core":
+                    return core_wave(core, batch, p)
+                if mode == "client":
+                    return await client_wave(client, batch, p)
+                return await http_wave(http, batch, p.max_tokens)
+
+            return go
+
+        # Warm-up: every path once at every concurrency (kernels, allocator, connections).
+        for c in args.concurrency:
+            for mode in MODES:
+                await wave_fn(
+                    mode, msgspec.structs.replace(params, max_tokens=min(8, args.max_tokens))
+                )(prompts[:c])
+
+        total = sum(
+            waves_per_round(c, args.min_requests) * c * args.max_tokens for c in args.concurrency
+        )
+        bar = tqdm(total=total * len(MODES) * args.rounds, desc="tokens", unit="tok")
+        rounds: list[RoundResult] = []
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
+                for mode in order:
+                    bar.set_postfix_str(f"round {r + 1}/{args.rounds}, C={c}, {mode}")
+                    # A short wave first: the process wakes up and (http) C connections open.
+                    await wave_fn(mode, prime_params)(prompts[:c])
+                    requests: list[RequestTiming] = []
+                    metrics_before = await gateway_ttft(http) if mode == "http" else None
+                    start = meters[mode].sample()
+                    for _ in range(waves_per_round(c, args.min_requests)):
+                        requests += await wave_fn(mode, params)(prompts[:c])
+                        bar.update(c * args.max_tokens)
+                    cpu_s, other = meters[mode].since(start)
+                    wall_s = time.perf_counter() - start[0]
+                    gateway_ttft_ms = None
+                    if metrics_before is not None:
+                        total, count = await gateway_ttft(http)
+                        if count - metrics_before[1] == len(requests):
+                            gateway_ttft_ms = 1e3 * (total - metrics_before[0]) / len(requests)
+                    for q in requests:
+                        if q.num_tokens != args.max_tokens or not q.token_times:
+                            raise RuntimeError(
+                                f"{mode}: a request got {q.num_tokens} tokens "
+                                f"({len(q.token_times)} events), wanted {args.max_tokens}"
+                            )
+                    rounds.append(
+                        RoundResult(mode, c, r, requests, wall_s, cpu_s, other, gateway_ttft_ms)
+                    )
+        bar.close()
+    return {"rounds": rounds, "load_s": load_s, "serve_args": serve_args, "config": engine_config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    busy_before = cpu_busy_fraction()
+    if busy_before is not None and busy_before > BUSY_WARNING:
+        print(
+            f"warning: {100 * busy_before:.0f}% of the CPUs are busy before the benchmark "
+            "starts; other processes will add noise to every figure",
+            file=sys.stderr,
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    folder = Path(args.model) if args.model else prepare_bundled_model(envs.cache_dir() / "models")
+    print(
+        f"concurrency {args.concurrency}, {args.prompt_len} prompt + {args.max_tokens} output "
+        f"tokens per request, {args.rounds} rounds, {args.threads} torch thread(s) per engine"
+    )
+    started = datetime.now(UTC)
+    outcome = asyncio.run(run(args, folder))
+    rounds: list[RoundResult] = outcome["rounds"]
+    summary = summarize(rounds, args.concurrency)
+    goal_results = goals(summary)
+
+    rows = [
+        [
+            "mode",
+            "C",
+            "TTFT min",
+            "TTFT p50",
+            "TTFT p90",
+            "TPOT p50",
+            "TPOT p90",
+            "tok/s",
+            "CPU ms/tok",
+            "others' CPU",
+        ]
+    ]
+    for c in args.concurrency:
+        for mode in MODES:
+            s = summary[str(c)]["modes"][mode]
+            cpu = " ".join(f"{k} {v:.2f}" for k, v in s["cpu_ms_per_token"].items())
+            other = s["other_processes_cpu_share"]
+            rows.append(
+                [
+                    MODE_NAMES[mode],
+                    str(c),
+                    f"{s['ttft_min_ms']:.1f}",
+                    f"{s['ttft_p50_ms']:.1f}",
+                    f"{s['ttft_p90_ms']:.1f}",
+                    f"{s['tpot_p50_ms']:.2f}",
+                    f"{s['tpot_p90_ms']:.2f}",
+                    f"{s['output_tokens_per_s']:.1f}",
+                    cpu,
+                    "-" if other is None else f"{100 * other:.0f}%",
+                ]
+            )
+    print()
+    print("times in ms; medians over rounds of each round's min/p50/p90")
+    print(format_table(rows))
+    print()
+    added_rows = [["added (ms, ± noise)", "C", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"]]
+    for c in args.concurrency:
+        for name, label in (
+            ("client_minus_core", "engine process - core"),
+            ("http_minus_client", "HTTP - engine process"),
+            ("http_minus_core", "gateway total (HTTP - core)"),
+        ):
+            a = summary[str(c)]["added"][name]
+            added_rows.append(
+                [label, str(c)] + [f"{a[m]:+.2f} ± {fmt_noise(a[m + '_noise'])}" for m in LATENCIES]
+            )
+    print(format_table(added_rows))
+    print("(noise: half the range of the round-by-round differences)")
+    others = [r.other_cpu_share for r in rounds if r.other_cpu_share is not None]
+    busy_during = statistics.mean(others) if others else None
+    if busy_during is not None and busy_during > BUSY_WARNING:
+        print(
+            f"warning: other processes kept {100 * busy_during:.0f}% of the CPUs busy during "
+            "the rounds; the engine's step time moved with them, so differences of a few ms "
+            "are not resolved here (see the noise)",
+            file=sys.stderr,
+        )
+    for c in args.concurrency:
+        layer = summary[str(c)]["http_layer_ttft"]
+        if layer:
+            print(
+                f"C={c}: mean TTFT at the client {layer['client_mean_ms']:.1f} ms, in the "
+                f"gateway's /metrics {layer['gateway_mean_ms']:.1f} ms: the HTTP layer adds "
+                f"{layer['added_ms']:+.2f} ms (same requests, engine time cancels)"
+            )
+    for name, g in goal_results.items():
+        print(
+            f"goal {name}: {g['value_ms']:+.2f} ± {fmt_noise(g['noise_ms'])} ms "
+            f"(goal < {g['goal_ms']} ms) -> {g['verdict']}"
+        )
+    for c in args.concurrency:
+        held = summary[str(c)]["modes"]["http"]["tokens_without_own_event"]
+        if held:
+            print(f"note: at C={c}, {held} tokens had no SSE event of their own (held text)")
+
+    result = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date": started.isoformat(timespec="seconds"),
+        "machine": {
+            **machine_info(args.threads),
+            "cpu_busy_before": busy_before,
+            "load_average_after": os.getloadavg(),
+            "other_processes_cpu_share_during_rounds": busy_during,
+        },
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "engine": {
+            "model": str(folder),
+            "num_threads": args.threads,
+            "kv_cache_memory": args.kv_cache_memory,
+            "prefix_caching": False,
+            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+            "max_num_seqs": outcome["config"].scheduler.max_num_seqs,
+            "serve_args": outcome["serve_args"],
+        },
+        "workload": {
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens,
+            "waves_per_round": {
+                str(c): waves_per_round(c, args.min_requests) for c in args.concurrency
+            },
+        },
+        "load_s": outcome["load_s"],
+        "summary": summary,
+        "goals": goal_results,
+        "rounds": [round_to_json(r) for r in rounds],
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path = args.out / f"{RESULT_NAME}.json"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    png_path = args.out / f"{RESULT_NAME}.png"
+    plot(png_path, rounds, summary)
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

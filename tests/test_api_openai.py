@@ -1,0 +1,880 @@
+"""The OpenAI-compatible API over a real `tokenfleet serve` process, through the official
+`openai` client (sync and async) and raw httpx bytes: greedy text, usage and logprobs equal
+the in-process engine's, streaming and SSE framing, n > 1 with seeds, legacy completions,
+errors in OpenAI's format with exact statuses, metrics, and a disconnect freeing blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from live_server import MODEL, LiveServer, live_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenfleet import LLM, SamplingParams
+from tokenfleet.llm import RequestOutput
+
+pytestmark = pytest.mark.slow
+
+# Greedy answers to EOS_CHAT end with the EOS token well within 40 tokens; LONG_CHAT runs on.
+EOS_CHAT = [{"role": "user", "content": "What is 2+2?"}]
+LONG_CHAT = [{"role": "user", "content": "Tell me a long story about a dragon and a knight."}]
+PROMPT = "The capital of France is"
+PROMPT_2 = "Once upon a time, there was"
+CHAT_ROUTE = "/v1/chat/completions"
+CMPL_ROUTE = "/v1/completions"
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+# -- fixtures and helpers -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with live_server(tmp_path_factory.mktemp("openai"), model_folder=model_folder) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def spare_server(
+    model_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    """A server of its own for a fresh prefix cache and for killing its engine."""
+    with live_server(tmp_path_factory.mktemp("openai-spare"), model_folder=model_folder) as s:
+        yield s
+
+
+class Reference:
+    """The in-process engine's greedy outputs, each computed once per module."""
+
+    def __init__(self, folder: Path) -> None:
+        # One thread, as the server's engine: quick on a busy machine, and the same arithmetic.
+        self.llm = LLM(str(folder), kv_cache_memory=64 << 20, num_threads=1)
+        self._cache: dict[str, RequestOutput] = {}
+
+    def chat(
+        self, messages: list[dict[str, str]], max_tokens: int, logprobs: int | None = None
+    ) -> RequestOutput:
+        key = json.dumps(["chat", messages, max_tokens, logprobs])
+        if key not in self._cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs)
+            self._cache[key] = self.llm.chat([messages], params)[0]
+        return self._cache[key]
+
+    def generate(self, prompt: str, max_tokens: int, logprobs: int | None = None) -> RequestOutput:
+        key = json.dumps(["generate", prompt, max_tokens, logprobs])
+        if key not in self._cache:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs)
+            self._cache[key] = self.llm.generate([prompt], params)[0]
+        return self._cache[key]
+
+
+@pytest.fixture(scope="module")
+def ref(model_folder: Path) -> Reference:
+    return Reference(model_folder)
+
+
+def _client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _async_client(server: LiveServer) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _metrics_text(server: LiveServer) -> str:
+    return httpx.get(f"{server.url}/metrics", timeout=5).text
+
+
+def _wait_for_gauges(server: LiveServer) -> None:
+    """The engine gauges appear with the engine's first step message (a heartbeat when idle)."""
+    _wait_for(lambda: "tokenfleet_kv_blocks_total " in _metrics_text(server), 5, "engine gauges")
+
+
+def _samples(server: LiveServer) -> list[tuple[str, dict[str, str], float]]:
+    text = _metrics_text(server)
+    return [
+        (s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
+
+
+def _labelled(server: LiveServer, name: str, labels: dict[str, str]) -> float:
+    values = [v for n, lab, v in _samples(server) if n == name and lab == labels]
+    assert len(values) == 1, f"{name}{labels} not in /metrics exactly once"
+    return values[0]
+
+
+def _wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+def _chat_body(messages: list[dict[str, str]], **fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": messages, **fields}
+
+
+def _assert_answers(server: LiveServer) -> None:
+    """The server still answers an ordinary request."""
+    r = _client(server).chat.completions.create(
+        model=MODEL, messages=EOS_CHAT, max_tokens=2, temperature=0
+    )
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+def _error(response: httpx.Response, status: int) -> dict[str, Any]:
+    """The OpenAI error object of a response, after checking its status and shape."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == ERROR_KEYS
+    return dict(body["error"])
+
+
+def _tokens_to_stop(ref: RequestOutput, llm: LLM, stop: str) -> int:
+    """How many output tokens it takes for the text to contain `stop`."""
+    for k in range(1, len(ref.token_ids) + 1):
+        if stop in llm.tokenizer.decode(ref.token_ids[:k]):
+            return k
+    raise AssertionError(f"{stop!r} not in the reference output")
+
+
+# -- 1. chat completions: greedy text, usage, finish reasons, stop strings -------------------
+
+
+def test_chat_greedy_eos_matches_reference(server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(EOS_CHAT, 40)
+    assert expected.finish_reason == "stop" and expected.stop_token_id is not None
+    assert expected.token_ids[-1] == expected.stop_token_id  # counted as a completion token
+    r = _client(server).chat.completions.create(
+        model=MODEL, messages=EOS_CHAT, max_tokens=40, temperature=0
+    )
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert choice.message.content == expected.text
+    assert choice.finish_reason == "stop" and choice.logprobs is None
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert r.usage.completion_tokens == len(expected.token_ids)
+    assert r.usage.total_tokens == len(expected.prompt_token_ids) + len(expected.token_ids)
+
+
+@pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
+def test_chat_greedy_length(server: LiveServer, ref: Reference, limit: str) -> None:
+    expected = ref.chat(LONG_CHAT, 12)
+    assert expected.finish_reason == "length" and len(expected.token_ids) == 12
+    r = _client(server).chat.completions.create(
+        model=MODEL, messages=LONG_CHAT, temperature=0, **{limit: 12}
+    )
+    assert r.choices[0].message.content == expected.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(expected.prompt_token_ids),
+        12,
+        len(expected.prompt_token_ids) + 12,
+    )
+
+
+def test_chat_stop_string_cuts_the_text(server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(LONG_CHAT, 24)
+    text = expected.text
+    words = text.split(" ")
+    stop = " " + words[len(words) // 2]  # a word in the middle, with its leading space
+    assert stop in text and text.index(stop) > 0
+    r = _client(server).chat.completions.create(
+        model=MODEL, messages=LONG_CHAT, temperature=0, max_tokens=24, stop=["@@never@@", stop]
+    )
+    assert r.choices[0].message.content == text[: text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage is not None
+    assert r.usage.completion_tokens == _tokens_to_stop(expected, ref.llm, stop)
+
+    # Streamed, the same cut, never a character of the stop string.
+    stream = _client(server).chat.completions.create(
+        model=MODEL, messages=LONG_CHAT, temperature=0, max_tokens=24, stop=stop, stream=True
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text[: text.index(stop)]
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "stop"
+
+
+# -- 2. streaming ------------------------------------------------------------------------------
+
+
+def test_chat_stream_with_usage(server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(EOS_CHAT, 40)
+    stream = _client(server).chat.completions.create(
+        model=MODEL,
+        messages=EOS_CHAT,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("chatcmpl-")
+    first, last = chunks[0], chunks[-1]
+    assert first.choices[0].delta.role == "assistant"
+    assert first.choices[0].delta.content == ""
+    # The last chunk has no choices and the usage; every other one has usage null.
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
+        len(expected.prompt_token_ids),
+        len(expected.token_ids),
+        len(expected.prompt_token_ids) + len(expected.token_ids),
+    )
+    body = chunks[:-1]
+    assert all(c.usage is None and len(c.choices) == 1 for c in body)
+    assert "".join(c.choices[0].delta.content or "" for c in body) == expected.text
+    reasons = [c.choices[0].finish_reason for c in body]
+    assert reasons[-1] == "stop" and set(reasons[:-1]) == {None}
+
+
+def test_chat_stream_length_without_usage(server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(LONG_CHAT, 12)
+    chunks = list(
+        _client(server).chat.completions.create(
+            model=MODEL, messages=LONG_CHAT, max_completion_tokens=12, temperature=0, stream=True
+        )
+    )
+    assert all(c.usage is None and len(c.choices) == 1 for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_async_streamed_and_not(server: LiveServer, ref: Reference) -> None:
+    eos, long = ref.chat(EOS_CHAT, 40), ref.chat(LONG_CHAT, 12)
+
+    async def main() -> None:
+        async with _async_client(server) as client:
+
+            async def whole() -> Any:
+                return await client.chat.completions.create(
+                    model=MODEL, messages=EOS_CHAT, max_tokens=40, temperature=0
+                )
+
+            async def streamed() -> tuple[str, list[Any]]:
+                stream = await client.chat.completions.create(
+                    model=MODEL,
+                    messages=LONG_CHAT,
+                    max_tokens=12,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                chunks = [c async for c in stream]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                return text, chunks
+
+            # Both at once: batched in the engine, still the greedy reference.
+            r, (text, chunks) = await asyncio.gather(whole(), streamed())
+            assert r.choices[0].message.content == eos.text
+            assert r.choices[0].finish_reason == "stop"
+            assert r.usage.completion_tokens == len(eos.token_ids)
+            assert r.usage.prompt_tokens == len(eos.prompt_token_ids)
+            assert text == long.text
+            assert chunks[0].choices[0].delta.role == "assistant"
+            assert chunks[-2].choices[0].finish_reason == "length"
+            assert chunks[-1].usage.completion_tokens == 12
+            assert chunks[-1].usage.prompt_tokens == len(long.prompt_token_ids)
+
+    asyncio.run(main())
+
+
+# -- 3. n > 1 ---------------------------------------------------------------------------------
+
+
+def test_n_greedy_choices_all_equal_the_reference(server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(EOS_CHAT, 40)
+    r = _client(server).chat.completions.create(
+        model=MODEL, messages=EOS_CHAT, max_tokens=40, temperature=0, n=3
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [expected.text] * 3
+    assert [c.finish_reason for c in r.choices] == ["stop"] * 3
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)  # the prompt, once
+    assert r.usage.completion_tokens == 3 * len(expected.token_ids)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_n_sampled_choices_follow_seed_plus_index(server: LiveServer) -> None:
+    client = _client(server)
+
+    def sample(seed: int, n: int) -> list[str]:
+        r = client.chat.completions.create(
+            model=MODEL, messages=LONG_CHAT, max_tokens=10, temperature=1, seed=seed, n=n
+        )
+        assert [c.index for c in r.choices] == list(range(n))
+        assert r.usage is not None and r.usage.completion_tokens <= 10 * n
+        return [c.message.content or "" for c in r.choices]
+
+    first = sample(1234, 3)
+    assert sample(1234, 3) == first  # the same request, the same choices
+    assert len(set(first)) == 3  # choices differ from each other
+    other = sample(98765, 3)
+    assert all(a != b for a, b in zip(first, other, strict=True))
+    # Choice i is sampled with seed + i.
+    assert sample(1235, 1) == [first[1]]
+    assert sample(1236, 2)[0] == first[2]
+
+    # Streamed: each index's deltas make the non-streamed choice.
+    texts = ["", "", ""]
+    reasons: list[str | None] = [None, None, None]
+    roles = set()
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=LONG_CHAT,
+        max_tokens=10,
+        temperature=1,
+        seed=1234,
+        n=3,
+        stream=True,
+    )
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add(c.index)
+            if c.finish_reason:
+                assert reasons[c.index] is None
+                reasons[c.index] = c.finish_reason
+    assert texts == first
+    assert roles == {0, 1, 2}
+    assert all(r in ("stop", "length") for r in reasons)
+
+
+def test_n_shares_prompt_blocks(spare_server: LiveServer) -> None:
+    """On a server that has seen no prompt yet, the n choices of one long prompt share its
+    blocks: the prefix cache hit rate goes from 0 to above 0."""
+    _wait_for_gauges(spare_server)
+    assert spare_server.metric("tokenfleet_prefix_cache_hit_rate") == 0
+    long_text = " ".join(f"Item {i} is a {'red' if i % 2 else 'blue'} box." for i in range(60))
+    r = _client(spare_server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": long_text}],
+        max_tokens=2,
+        temperature=0,
+        n=4,
+    )
+    assert r.usage is not None and r.usage.prompt_tokens > 300
+    assert len(r.choices) == 4
+    rate = spare_server.metric("tokenfleet_prefix_cache_hit_rate")
+    assert 0 < rate < 1
+
+
+# -- 4. logprobs ------------------------------------------------------------------------------
+
+
+def test_chat_logprobs_match_the_engine(server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(LONG_CHAT, 8, logprobs=3)
+    assert expected.logprobs is not None and len(expected.logprobs) == 8
+    tokenizer = ref.llm.tokenizer
+    r = _client(server).chat.completions.create(
+        model=MODEL, messages=LONG_CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = r.choices[0]
+    assert choice.message.content == expected.text
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    content = choice.logprobs.content
+    assert len(content) == 8
+    for got, want in zip(content, expected.logprobs, strict=True):
+        text = tokenizer.decode([want.token_id], skip_special_tokens=False)
+        assert got.token == text and got.bytes == list(text.encode())
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert len(got.top_logprobs) == 3
+        assert [t.token for t in got.top_logprobs] == [
+            tokenizer.decode([t], skip_special_tokens=False) for t, _ in want.top
+        ]
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx(
+            [lp for _, lp in want.top], abs=1e-4
+        )
+        # Greedy: the chosen token is the most likely one.
+        assert got.top_logprobs[0].token == got.token
+        assert got.top_logprobs[0].logprob == pytest.approx(got.logprob, abs=1e-6)
+    assert "".join(t.token for t in content) == expected.text
+
+    # Streamed, the same logprobs, token by token; also while a stop string that never
+    # completes holds a token's text back.
+    hold = content[2].token + "@@"
+    assert hold not in expected.text
+    for stop in (None, [hold]):
+        stream = _client(server).chat.completions.create(
+            model=MODEL,
+            messages=LONG_CHAT,
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+            stop=stop,
+        )
+        chunks = [c for c in stream if c.choices]
+        streamed = [
+            t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content or []
+        ]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
+        assert [t.token for t in streamed] == [t.token for t in content]
+        assert [t.logprob for t in streamed] == pytest.approx(
+            [t.logprob for t in content], abs=1e-6
+        )
+        assert all(len(t.top_logprobs) == 3 for t in streamed)
+
+
+# -- 5. completions ---------------------------------------------------------------------------
+
+
+def test_completions_prompt_text_and_token_ids(server: LiveServer, ref: Reference) -> None:
+    expected = ref.generate(PROMPT, 12)
+    client = _client(server)
+    for prompt in (PROMPT, expected.prompt_token_ids):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+        assert len(r.choices) == 1
+        assert r.choices[0].index == 0 and r.choices[0].text == expected.text
+        assert r.choices[0].finish_reason == expected.finish_reason == "length"
+        assert r.choices[0].logprobs is None
+        assert r.usage is not None
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+            len(expected.prompt_token_ids),
+            12,
+            len(expected.prompt_token_ids) + 12,
+        )
+
+
+def test_completions_stream(server: LiveServer, ref: Reference) -> None:
+    expected = ref.generate(PROMPT, 12)
+    chunks = list(
+        _client(server).completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert all(c.object == "text_completion" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    last, body = chunks[-1], chunks[:-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 12
+    assert last.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert all(len(c.choices) == 1 and c.choices[0].index == 0 for c in body)
+    assert "".join(c.choices[0].text for c in body) == expected.text
+    reasons = [c.choices[0].finish_reason for c in body]
+    assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
+
+
+def test_completions_logprobs(server: LiveServer, ref: Reference) -> None:
+    expected = ref.generate(PROMPT, 10, logprobs=2)
+    assert expected.logprobs is not None
+    tokenizer = ref.llm.tokenizer
+    r = _client(server).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, logprobs=2
+    )
+    choice = r.choices[0]
+    assert choice.text == expected.text
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    want_tokens = [
+        tokenizer.decode([e.token_id], skip_special_tokens=False) for e in expected.logprobs
+    ]
+    assert lp.tokens == want_tokens
+    assert "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-4)
+    assert len(lp.top_logprobs) == 10
+    for top, e in zip(lp.top_logprobs, expected.logprobs, strict=True):
+        want = {tokenizer.decode([t], skip_special_tokens=False): v for t, v in e.top}
+        assert len(top) == 2 and set(top) == set(want)
+        assert [top[k] for k in want] == pytest.approx(list(want.values()), abs=1e-4)
+    offsets = [0]
+    for token in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets
+
+    # Streamed, the same tokens and offsets, a chunk at a time; also while a stop string
+    # that never completes holds a token's text back (that chunk has logprobs, no text).
+    hold = lp.tokens[3] + "@@"
+    assert hold not in expected.text
+    for stop in (None, [hold]):
+        chunks = list(
+            _client(server).completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=10,
+                temperature=0,
+                logprobs=2,
+                stream=True,
+                stop=stop,
+            )
+        )
+        tokens, token_logprobs, text_offset = [], [], []
+        for c in chunks:
+            part = c.choices[0].logprobs
+            assert part is not None
+            tokens += part.tokens or []
+            token_logprobs += part.token_logprobs or []
+            text_offset += part.text_offset or []
+        assert "".join(c.choices[0].text for c in chunks) == expected.text
+        assert tokens == lp.tokens and text_offset == lp.text_offset
+        assert token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-6)
+        if stop:
+            assert any(c.choices[0].text == "" and c.choices[0].logprobs.tokens for c in chunks)
+
+
+def test_completions_two_prompts_in_order(server: LiveServer, ref: Reference) -> None:
+    first, second = ref.generate(PROMPT, 8), ref.generate(PROMPT_2, 8)
+    r = _client(server).completions.create(
+        model=MODEL, prompt=[PROMPT, PROMPT_2], max_tokens=8, temperature=0
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == [first.text, second.text]
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(first.prompt_token_ids) + len(second.prompt_token_ids)
+    assert r.usage.completion_tokens == 16
+
+    # As token id lists, with n=2: prompt-major, choice index = prompt * n + j.
+    r = _client(server).completions.create(
+        model=MODEL,
+        prompt=[first.prompt_token_ids, second.prompt_token_ids],
+        max_tokens=8,
+        temperature=0,
+        n=2,
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [first.text] * 2 + [second.text] * 2
+    assert r.usage is not None and r.usage.completion_tokens == 32
+    assert r.usage.prompt_tokens == len(first.prompt_token_ids) + len(second.prompt_token_ids)
+
+
+# -- 6. SSE framing, byte for byte ------------------------------------------------------------
+
+
+def _sse_frames(server: LiveServer, path: str, body: dict[str, Any]) -> list[bytes]:
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert raw.count(b"[DONE]") == 1
+    frames = raw.split(b"\n\n")
+    assert frames[-1] == b""
+    frames = frames[:-1]
+    for frame in frames:
+        assert frame.startswith(b"data: "), frame
+        assert b"\n" not in frame and b"\r" not in frame, frame  # one line; no `event:`
+    assert frames[-1] == b"data: [DONE]"
+    return [frame[len(b"data: ") :] for frame in frames[:-1]]
+
+
+def test_sse_framing_chat(server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(EOS_CHAT, 40)
+    body = _chat_body(
+        EOS_CHAT,
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    events = [json.loads(f) for f in _sse_frames(server, CHAT_ROUTE, body)]
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+    assert text == expected.text
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == len(expected.token_ids)
+
+
+def test_sse_framing_completions(server: LiveServer, ref: Reference) -> None:
+    expected = ref.generate(PROMPT, 12)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}
+    events = [json.loads(f) for f in _sse_frames(server, CMPL_ROUTE, body)]
+    assert {e["object"] for e in events} == {"text_completion"}
+    assert "".join(e["choices"][0]["text"] for e in events) == expected.text
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# -- 7. models --------------------------------------------------------------------------------
+
+
+def test_models_list(server: LiveServer) -> None:
+    models = list(_client(server).models.list())
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].object == "model" and models[0].owned_by == "tokenfleet"
+    assert models[0].created > 0
+
+
+# -- 8. errors --------------------------------------------------------------------------------
+
+
+def test_malformed_json(server: LiveServer) -> None:
+    r = httpx.post(
+        server.url + CHAT_ROUTE,
+        content=b'{"model": "smollm2-135m-instruct", "messages": [',
+        headers={"content-type": "application/json"},
+    )
+    error = _error(r, 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith("malformed JSON body")
+    _assert_answers(server)
+
+
+def test_missing_messages(server: LiveServer) -> None:
+    error = _error(httpx.post(server.url + CHAT_ROUTE, json={"model": MODEL}), 400)
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages"
+    assert "messages" in error["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(server).chat.completions.create(model=MODEL, messages=[])
+    assert info.value.status_code == 400
+    assert info.value.param == "messages"
+    _assert_answers(server)
+
+
+def test_wrong_type(server: LiveServer) -> None:
+    r = httpx.post(server.url + CHAT_ROUTE, json=_chat_body(EOS_CHAT, max_tokens="x"))
+    error = _error(r, 400)
+    assert error["param"] == "max_tokens" and "max_tokens" in error["message"]
+    assert error["type"] == "invalid_request_error"
+    r = httpx.post(server.url + CMPL_ROUTE, json={"model": MODEL, "prompt": PROMPT, "n": "many"})
+    assert _error(r, 400)["param"] == "n"
+    _assert_answers(server)
+
+
+def test_unknown_model(server: LiveServer) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        _client(server).chat.completions.create(model="gpt-4o", messages=EOS_CHAT)
+    assert info.value.status_code == 404
+    body = info.value.body
+    assert isinstance(body, dict) and set(body) == ERROR_KEYS  # the client unwraps "error"
+    assert body["param"] == "model" and body["code"] == "model_not_found"
+    assert "gpt-4o" in body["message"]
+    with pytest.raises(openai.NotFoundError):
+        _client(server).completions.create(model="gpt-4o", prompt=PROMPT)
+    _assert_answers(server)
+
+
+def test_context_length_exceeded(server: LiveServer, ref: Reference) -> None:
+    num_prompt = len(ref.chat(EOS_CHAT, 40).prompt_token_ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(server).chat.completions.create(model=MODEL, messages=EOS_CHAT, max_tokens=100000)
+    assert info.value.status_code == 400
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "max_tokens"
+    assert f"{num_prompt} tokens" in body["message"] and "100000" in body["message"]
+    # Completions, with a token-id prompt.
+    r = httpx.post(
+        server.url + CMPL_ROUTE,
+        json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 123456},
+    )
+    error = _error(r, 400)
+    assert "3 tokens" in error["message"] and "123456" in error["message"]
+    _assert_answers(server)
+
+
+def test_body_too_large(server: LiveServer) -> None:
+    padding = "a" * (8 * 2**20 + 1)
+    body = json.dumps(_chat_body(EOS_CHAT, user=padding)).encode()
+    r = httpx.post(
+        server.url + CHAT_ROUTE, content=body, headers={"content-type": "application/json"}
+    )
+    error = _error(r, 413)
+    assert error["code"] == "request_too_large"
+
+    # Without a Content-Length (chunked), the limit holds while reading.
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(body), 1 << 20):
+            yield body[i : i + (1 << 20)]
+
+    r = httpx.post(
+        server.url + CMPL_ROUTE, content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert "content-length" not in r.request.headers
+    assert _error(r, 413)["code"] == "request_too_large"
+    _assert_answers(server)
+
+
+def test_unknown_path_and_wrong_method(server: LiveServer) -> None:
+    error = _error(httpx.post(server.url + "/v1/nothing", json={}), 404)
+    assert error == {
+        "message": "invalid URL (POST /v1/nothing)",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    r = httpx.get(server.url + CHAT_ROUTE)
+    assert _error(r, 405)["type"] == "invalid_request_error"
+    assert r.headers["allow"] == "POST"
+    _assert_answers(server)
+
+
+def test_overloaded_is_429_with_retry_after(
+    model_folder: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    tmp = tmp_path_factory.mktemp("openai-overload")
+    with live_server(tmp, "--ttft-target", "0.000001", model_folder=model_folder) as s:
+        with pytest.raises(openai.RateLimitError) as info:
+            _client(s).chat.completions.create(model=MODEL, messages=EOS_CHAT, max_tokens=4)
+        assert info.value.status_code == 429
+        # max(1, round(predicted TTFT - target)): a short prompt is a second away.
+        assert info.value.response.headers["retry-after"] == "1"
+        body = info.value.body
+        assert isinstance(body, dict) and set(body) == ERROR_KEYS
+        assert body["type"] == "server_error" and body["code"] == "overloaded"
+        r = httpx.post(s.url + CMPL_ROUTE, json={"model": MODEL, "prompt": PROMPT})
+        assert _error(r, 429)["code"] == "overloaded"
+        assert r.headers["retry-after"] == "1"
+        # Refused, not broken: still healthy, and nothing was queued.
+        assert httpx.get(s.url + "/health").status_code == 200
+        _wait_for_gauges(s)
+        assert s.metric("tokenfleet_num_requests_waiting") == 0
+
+
+def test_engine_down_is_503_then_recovers(spare_server: LiveServer, ref: Reference) -> None:
+    expected = ref.chat(EOS_CHAT, 40)
+    client = _client(spare_server)
+    body = _chat_body(EOS_CHAT, max_tokens=40, temperature=0)
+
+    # A stream in flight when the engine dies ends with an error event, not [DONE].
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=LONG_CHAT,
+        max_tokens=1000,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    assert next(iter(stream)).choices[0].delta.role == "assistant"
+    old_pid = spare_server.engine_pid()
+    os.kill(old_pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="engine"):
+        for _ in stream:
+            pass
+
+    # Requests get 503 in OpenAI's format until the engine is back.
+    deadline = time.monotonic() + 2
+    while True:
+        r = httpx.post(spare_server.url + CHAT_ROUTE, json=body, timeout=30)
+        if r.status_code == 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    error = _error(r, 503)
+    assert error["type"] == "server_error" and error["code"] == "engine_unavailable"
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model=MODEL, messages=EOS_CHAT, max_tokens=4)
+    assert info.value.status_code == 503
+
+    # The gateway restarts the engine on its own.
+    spare_server.wait_healthy(timeout=120)
+    assert spare_server.engine_pid() != old_pid
+    r = client.chat.completions.create(model=MODEL, messages=EOS_CHAT, max_tokens=40, temperature=0)
+    assert r.choices[0].message.content == expected.text
+    assert r.usage is not None and r.usage.completion_tokens == len(expected.token_ids)
+
+
+# -- 9. metrics -------------------------------------------------------------------------------
+
+
+def test_metrics(server: LiveServer) -> None:
+    client = _client(server)
+    before_prompt = server.metric("tokenfleet_prompt_tokens_total")
+    before_generated = server.metric("tokenfleet_generation_tokens_total")
+    r = client.chat.completions.create(model=MODEL, messages=EOS_CHAT, max_tokens=40, temperature=0)
+    assert r.usage is not None
+    assert server.metric("tokenfleet_prompt_tokens_total") - before_prompt == r.usage.prompt_tokens
+    generated = server.metric("tokenfleet_generation_tokens_total") - before_generated
+    assert generated == r.usage.completion_tokens
+
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+    for route in (CHAT_ROUTE, CMPL_ROUTE):
+        labels = {"route": route, "priority": "interactive"}
+        for histogram in (
+            "tokenfleet_time_to_first_token_seconds",
+            "tokenfleet_time_per_output_token_seconds",
+            "tokenfleet_e2e_request_latency_seconds",
+        ):
+            assert _labelled(server, histogram + "_count", labels) > 0, (histogram, route)
+            assert _labelled(server, histogram + "_sum", labels) > 0, (histogram, route)
+            inf = _labelled(server, histogram + "_bucket", {**labels, "le": "+Inf"})
+            assert inf == _labelled(server, histogram + "_count", labels)
+    assert server.metric("tokenfleet_kv_blocks_total") > 0
+    assert server.metric("tokenfleet_kv_blocks_used") == 0
+    assert server.metric("tokenfleet_num_requests_running") == 0
+    assert server.metric("tokenfleet_num_requests_waiting") == 0
+    assert 0 <= server.metric("tokenfleet_prefix_cache_hit_rate") <= 1
+
+
+# -- 10. a client that goes away --------------------------------------------------------------
+
+
+def test_disconnect_frees_blocks(server: LiveServer) -> None:
+    assert server.metric("tokenfleet_kv_blocks_used") == 0
+    assert server.metric("tokenfleet_num_requests_running") == 0
+    body = _chat_body(LONG_CHAT, max_tokens=1000, temperature=0, stream=True, ignore_eos=True)
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", server.url + CHAT_ROUTE, json=body) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(12):  # a few events (with their blank separator lines)
+            next(lines)
+        # Stats come with every engine step, so these are the stream's own.
+        assert server.metric("tokenfleet_kv_blocks_used") > 0
+        assert server.metric("tokenfleet_num_requests_running") == 1
+    # The connection is closed: the request is aborted and its blocks freed.
+    closed = time.monotonic()
+    _wait_for(
+        lambda: (
+            server.metric("tokenfleet_kv_blocks_used") == 0
+            and server.metric("tokenfleet_num_requests_running") == 0
+        ),
+        2.5,
+        "blocks freed after the disconnect",
+    )
+    assert time.monotonic() - closed < 2.5
+    # Nothing left half-done: the next request is served normally.
+    _assert_answers(server)
+
+
+def test_disconnect_frees_blocks_of_a_request_not_streamed(server: LiveServer) -> None:
+    """A client that gives up on a long non-streamed completion: its generation is aborted,
+    not run to max_tokens for no one."""
+    counter = "tokenfleet_generation_tokens_total"
+    start = server.metric(counter)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + CMPL_ROUTE, json=body, timeout=1.5)
+    _wait_for(
+        lambda: (
+            server.metric("tokenfleet_kv_blocks_used") == 0
+            and server.metric("tokenfleet_num_requests_running") == 0
+        ),
+        2.5,
+        "blocks freed after the disconnect",
+    )
+    stopped = server.metric(counter)
+    assert 0 < stopped - start < 1000  # it ran, and it was stopped early
+    time.sleep(0.3)
+    assert server.metric(counter) == stopped
+    _assert_answers(server)
