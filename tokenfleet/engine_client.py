@@ -57,6 +57,7 @@ class AsyncEngineClient:
         self.startup_timeout_s = startup_timeout_s
         self._dir = Path(tempfile.mkdtemp(prefix="tokenfleet-"))
         self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
@@ -74,6 +75,7 @@ class AsyncEngineClient:
 
     async def start(self) -> None:
         self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # never block a sender while the engine is up
         self._input.bind(f"ipc://{self._dir}/in")
         self._output = self._ctx.socket(zmq.PULL)
         self._output.bind(f"ipc://{self._dir}/out")
@@ -92,8 +94,8 @@ class AsyncEngineClient:
         for task in self._tasks:
             task.cancel()
         if self._proc and self._proc.poll() is None:
-            with contextlib.suppress(zmq.ZMQError):
-                await self._input.send(self._encoder.encode(Shutdown()))
+            with contextlib.suppress(EngineDeadError):
+                await self._send(Shutdown())
             try:
                 await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 10)
             except TimeoutError:
@@ -180,7 +182,7 @@ class AsyncEngineClient:
         self._queues[request.req_id] = queue
         finished = False
         try:
-            await self._input.send(self._encoder.encode(AddRequest(request)))
+            await self._send(AddRequest(request))
             while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -195,4 +197,13 @@ class AsyncEngineClient:
                 await self.abort([request.req_id])
 
     async def abort(self, req_ids: list[str]) -> None:
-        await self._input.send(self._encoder.encode(AbortRequests(req_ids)))
+        with contextlib.suppress(EngineDeadError):  # a dead engine has freed everything
+            await self._send(AbortRequests(req_ids))
+
+    async def _send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
+        # Never wait: a PUSH socket with no engine connected (dead, or exiting) would block
+        # the sender forever. The queue itself is unbounded (SNDHWM 0).
+        try:
+            await self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again as exc:
+            raise EngineDeadError("the engine process is not connected") from exc

@@ -49,6 +49,7 @@ def _die_with_parent() -> None:
 
 def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
     ctx = zmq.Context()
+    ctx.setsockopt(zmq.LINGER, 0)  # exit at once, even with messages the gateway never read
     inputs = ctx.socket(zmq.PULL)
     inputs.connect(in_addr)
     outputs = ctx.socket(zmq.PUSH)

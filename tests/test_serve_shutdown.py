@@ -1,0 +1,48 @@
+"""Stopping `tokenfleet serve` the way a terminal does (a signal to the whole process
+group, engine included) ends both processes promptly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import free_port
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_process_group_stops_gateway_and_engine(
+    tmp_path: Path, model_folder: Path, sig: signal.Signals
+) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
+    argv += ["--model", str(model_folder), "--kv-cache-memory", str(32 << 20)]
+    log = (tmp_path / "serve.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        engine_pid = None
+        while time.monotonic() < deadline and engine_pid is None:
+            try:
+                engine_pid = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()[
+                    "engine_pid"
+                ]
+            except (httpx.HTTPError, KeyError, ValueError):
+                time.sleep(0.2)
+        assert engine_pid is not None, (tmp_path / "serve.log").read_text()[-2000:]
+        os.killpg(proc.pid, sig)
+        assert proc.wait(timeout=15) is not None
+        time.sleep(0.5)
+        with pytest.raises(ProcessLookupError):
+            os.kill(engine_pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
