@@ -83,6 +83,7 @@ def load_model(
                             f"the config implies {[size, *param.shape[1:]]}"
                         )
                     param[start : start + size].copy_(tensor)
+                    del tensor  # one checkpoint tensor in memory at a time
                     filled[id(param)] = filled.get(id(param), 0) + size
     rows = {id(p): p.shape[0] for p in model.parameters()}
     missing = [name for pid, name in expected.items() if filled.get(pid, 0) != rows[pid]]
