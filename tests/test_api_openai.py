@@ -154,6 +154,15 @@ def _tokens_to_stop(ref: RequestOutput, llm: LLM, stop: str) -> int:
     raise AssertionError(f"{stop!r} not in the reference output")
 
 
+def _assert_usage(usage: Any, prompt_tokens: int, completion_tokens: int) -> None:
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        prompt_tokens,
+        completion_tokens,
+        prompt_tokens + completion_tokens,
+    )
+
+
 # -- 1. chat completions: greedy text, usage, finish reasons, stop strings -------------------
 
 
@@ -170,10 +179,7 @@ def test_chat_greedy_eos_matches_reference(server: LiveServer, ref: Reference) -
     assert choice.index == 0 and choice.message.role == "assistant"
     assert choice.message.content == expected.text
     assert choice.finish_reason == "stop" and choice.logprobs is None
-    assert r.usage is not None
-    assert r.usage.prompt_tokens == len(expected.prompt_token_ids)
-    assert r.usage.completion_tokens == len(expected.token_ids)
-    assert r.usage.total_tokens == len(expected.prompt_token_ids) + len(expected.token_ids)
+    _assert_usage(r.usage, len(expected.prompt_token_ids), len(expected.token_ids))
 
 
 @pytest.mark.parametrize("limit", ["max_tokens", "max_completion_tokens"])
@@ -185,12 +191,7 @@ def test_chat_greedy_length(server: LiveServer, ref: Reference, limit: str) -> N
     )
     assert r.choices[0].message.content == expected.text
     assert r.choices[0].finish_reason == "length"
-    assert r.usage is not None
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
-        len(expected.prompt_token_ids),
-        12,
-        len(expected.prompt_token_ids) + 12,
-    )
+    _assert_usage(r.usage, len(expected.prompt_token_ids), 12)
 
 
 def test_chat_stop_string_cuts_the_text(server: LiveServer, ref: Reference) -> None:
@@ -236,12 +237,8 @@ def test_chat_stream_with_usage(server: LiveServer, ref: Reference) -> None:
     assert first.choices[0].delta.role == "assistant"
     assert first.choices[0].delta.content == ""
     # The last chunk has no choices and the usage; every other one has usage null.
-    assert last.choices == [] and last.usage is not None
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens, last.usage.total_tokens) == (
-        len(expected.prompt_token_ids),
-        len(expected.token_ids),
-        len(expected.prompt_token_ids) + len(expected.token_ids),
-    )
+    assert last.choices == []
+    _assert_usage(last.usage, len(expected.prompt_token_ids), len(expected.token_ids))
     body = chunks[:-1]
     assert all(c.usage is None and len(c.choices) == 1 for c in body)
     assert "".join(c.choices[0].delta.content or "" for c in body) == expected.text
@@ -453,12 +450,7 @@ def test_completions_prompt_text_and_token_ids(server: LiveServer, ref: Referenc
         assert r.choices[0].index == 0 and r.choices[0].text == expected.text
         assert r.choices[0].finish_reason == expected.finish_reason == "length"
         assert r.choices[0].logprobs is None
-        assert r.usage is not None
-        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
-            len(expected.prompt_token_ids),
-            12,
-            len(expected.prompt_token_ids) + 12,
-        )
+        _assert_usage(r.usage, len(expected.prompt_token_ids), 12)
 
 
 def test_completions_stream(server: LiveServer, ref: Reference) -> None:

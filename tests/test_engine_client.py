@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import CacheConfig, EngineConfig
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.outputs import EngineCoreRequest
+from tokenfleet.outputs import EngineCoreOutput, EngineCoreRequest
 
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30], [1, 4093, 198, 19842, 2]]
 
@@ -41,6 +41,17 @@ async def _collect(client: AsyncEngineClient, req_id: str, prompt: list[int], n:
     async for out in client.generate(EngineCoreRequest(req_id, prompt, params, 0.0)):
         tokens += out.new_token_ids
     return tokens
+
+
+async def _start_long_stream(
+    client: AsyncEngineClient, req_id: str, max_tokens: int
+) -> AsyncGenerator[EngineCoreOutput, None]:
+    """A stream that has produced its first tokens and has many more to go."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    stream = client.generate(EngineCoreRequest(req_id, PROMPTS[0], params, 0.0))
+    first = await anext(stream)
+    assert first.new_token_ids
+    return stream
 
 
 def test_engine_process_streams_the_same_tokens_as_in_process(model_folder: Path) -> None:
@@ -70,10 +81,7 @@ def test_engine_process_streams_the_same_tokens_as_in_process(model_folder: Path
 def test_abandoned_stream_is_aborted_and_frees_blocks(model_folder: Path) -> None:
     async def main() -> None:
         async with _running(model_folder) as client:
-            params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
-            stream = client.generate(EngineCoreRequest("long", PROMPTS[0], params, 0.0))
-            first = await anext(stream)
-            assert first.new_token_ids
+            stream = await _start_long_stream(client, "long", 500)
             await stream.aclose()  # what a client disconnect does to the handler
             for _ in range(100):
                 await asyncio.sleep(0.05)
@@ -89,9 +97,7 @@ def test_abandoned_stream_is_aborted_and_frees_blocks(model_folder: Path) -> Non
 def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> None:
     async def main() -> None:
         async with _running(model_folder) as client:
-            params = SamplingParams(max_tokens=700, temperature=0, ignore_eos=True)
-            stream = client.generate(EngineCoreRequest("doomed", PROMPTS[0], params, 0.0))
-            await anext(stream)
+            stream = await _start_long_stream(client, "doomed", 700)
             old_pid = client.pid
             assert old_pid is not None
             os.kill(old_pid, signal.SIGKILL)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import msgspec
@@ -172,7 +172,7 @@ class AsyncEngineClient:
 
     # -- requests -----------------------------------------------------------------
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         """Yield the request's outputs step by step; closing the iterator early aborts it."""
         if not self.is_healthy():
             raise EngineDeadError("the engine is not running")

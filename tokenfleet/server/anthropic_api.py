@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -99,8 +99,9 @@ async def create_message(request: Request) -> Response:
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
     service.admit(len(prompt))
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    deltas = service.generate(prompt, params, body.stop_sequences, route="/v1/messages")
-    first, deltas = await prime(deltas)
+    deltas = await prime(
+        service.generate(prompt, params, body.stop_sequences, route="/v1/messages")
+    )
     message = {
         "id": message_id,
         "type": "message",
@@ -112,9 +113,9 @@ async def create_message(request: Request) -> Response:
         "usage": {"input_tokens": len(prompt), "output_tokens": 0},
     }
     if body.stream:
-        return StreamingResponse(_stream(message, first, deltas), media_type="text/event-stream")
+        return StreamingResponse(_stream(message, deltas), media_type="text/event-stream")
     try:
-        text, last = await cancel_on_disconnect(request, _collect(first, deltas))
+        text, last = await cancel_on_disconnect(request, _collect(deltas))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the engine request was aborted
     message["content"] = [{"type": "text", "text": text}]
@@ -124,12 +125,10 @@ async def create_message(request: Request) -> Response:
     return JSONResponse(message)
 
 
-async def _collect(
-    first: TextDelta | None, deltas: AsyncIterator[TextDelta]
-) -> tuple[str, TextDelta]:
-    text, last = "", first
+async def _collect(deltas: AsyncGenerator[TextDelta, None]) -> tuple[str, TextDelta]:
+    text, last = "", None
     async with contextlib.aclosing(deltas):
-        async for delta in _chain([first] if first is not None else [], deltas):
+        async for delta in deltas:
             text += delta.text
             last = delta
     assert last is not None and last.finish_reason is not None
@@ -137,7 +136,7 @@ async def _collect(
 
 
 async def _stream(
-    message: dict[str, Any], first: TextDelta | None, deltas: AsyncIterator[TextDelta]
+    message: dict[str, Any], deltas: AsyncGenerator[TextDelta, None]
 ) -> AsyncIterator[bytes]:
     yield sse_event({"type": "message_start", "message": message}, "message_start")
     start = {
@@ -147,11 +146,10 @@ async def _stream(
     }
     yield sse_event(start, "content_block_start")
     yield sse_event({"type": "ping"}, "ping")
-    last = first
+    last = None
     async with contextlib.aclosing(deltas):
         try:
-            pending = [first] if first is not None else []
-            async for delta in _chain(pending, deltas):
+            async for delta in deltas:
                 last = delta
                 if delta.text:
                     block = {"type": "text_delta", "text": delta.text}
@@ -173,10 +171,3 @@ async def _stream(
     usage = {"output_tokens": last.num_output_tokens}
     yield sse_event({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
     yield sse_event({"type": "message_stop"}, "message_stop")
-
-
-async def _chain(head: list[TextDelta], rest: AsyncIterator[TextDelta]) -> AsyncIterator[TextDelta]:
-    for item in head:
-        yield item
-    async for item in rest:
-        yield item

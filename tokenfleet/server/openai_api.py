@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -99,7 +99,9 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None, index: int) ->
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
 
 
-async def _merge(streams: list[AsyncIterator[TextDelta]]) -> AsyncIterator[tuple[int, TextDelta]]:
+async def _merge(
+    streams: list[AsyncIterator[TextDelta]],
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
     """Interleave several choices' streams; closing the merge closes (aborts) them all."""
     if len(streams) == 1:  # the common case: no pump task and queue per token
         async with contextlib.aclosing(streams[0]):  # type: ignore[type-var]
@@ -236,7 +238,7 @@ async def _chat_completions(
     service.check_length(len(prompt), max_tokens, param)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
     run = _Run(service, body, "/v1/chat/completions")
-    first, merged = await prime(run.start([prompt] * body.n, [max_tokens] * body.n, num_top))
+    merged = await prime(run.start([prompt] * body.n, [max_tokens] * body.n, num_top))
     tokenizer = service.tokenizer
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
@@ -260,7 +262,7 @@ async def _chat_completions(
                 yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
             async with contextlib.aclosing(merged):  # type: ignore[type-var]
                 try:
-                    async for i, d in _prepend(first, merged):
+                    async for i, d in merged:
                         run.completion_tokens[i] = d.num_output_tokens
                         lp = (
                             {"content": _chat_logprobs(tokenizer, d.logprobs)}
@@ -301,7 +303,7 @@ async def _chat_completions(
     texts = [""] * body.n
     logprobs: list[list[dict[str, Any]]] = [[] for _ in range(body.n)]
     reasons = ["stop"] * body.n
-    async for i, d in _prepend(first, merged):
+    async for i, d in merged:
         texts[i] += d.text
         logprobs[i] += _chat_logprobs(tokenizer, d.logprobs)
         run.completion_tokens[i] = d.num_output_tokens
@@ -358,9 +360,7 @@ async def _completions(
         service.check_length(len(p), body.max_tokens, "max_tokens")
     expanded = [p for p in prompts for _ in range(body.n)]
     run = _Run(service, body, "/v1/completions")
-    first, merged = await prime(
-        run.start(expanded, [body.max_tokens] * len(expanded), body.logprobs)
-    )
+    merged = await prime(run.start(expanded, [body.max_tokens] * len(expanded), body.logprobs))
     tokenizer = service.tokenizer
     offsets = [0] * len(expanded)
 
@@ -393,7 +393,7 @@ async def _completions(
         async def events() -> AsyncIterator[bytes]:
             async with contextlib.aclosing(merged):  # type: ignore[type-var]
                 try:
-                    async for i, d in _prepend(first, merged):
+                    async for i, d in merged:
                         run.completion_tokens[i] = d.num_output_tokens
                         # Tokens whose text is held back (a partial character or stop
                         # string) still carry their logprobs.
@@ -411,7 +411,7 @@ async def _completions(
     texts = [""] * len(expanded)
     entries: list[list[TokenLogprobs]] = [[] for _ in expanded]
     last: list[TextDelta | None] = [None] * len(expanded)
-    async for i, d in _prepend(first, merged):
+    async for i, d in merged:
         texts[i] += d.text
         entries[i] += d.logprobs
         run.completion_tokens[i] = d.num_output_tokens
@@ -422,12 +422,3 @@ async def _completions(
         whole = TextDelta(texts[i], [], final.num_output_tokens, entries[i], final.finish_reason)
         choices.append(choice(i, whole, texts[i]))
     return JSONResponse(data(choices, run.usage()))
-
-
-async def _prepend(
-    first: tuple[int, TextDelta] | None, rest: AsyncIterator[tuple[int, TextDelta]]
-) -> AsyncIterator[tuple[int, TextDelta]]:
-    if first is not None:
-        yield first
-    async for item in rest:
-        yield item

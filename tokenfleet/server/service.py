@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -142,7 +142,7 @@ class GenerationService:
         *,
         route: str,
         priority: str = "interactive",
-    ) -> AsyncIterator[TextDelta]:
+    ) -> AsyncGenerator[TextDelta, None]:
         num_prompt = len(prompt_token_ids)
         request = EngineCoreRequest(
             f"gen-{uuid.uuid4().hex}", prompt_token_ids, params, time.monotonic()

@@ -3,8 +3,9 @@ are still HTTP errors rather than events after a 200."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -16,10 +17,19 @@ def sse_event(data: dict[str, Any] | str, event: str | None = None) -> bytes:
     return f"{head}data: {payload}\n\n".encode()
 
 
-async def prime(stream: AsyncIterator[T]) -> tuple[T | None, AsyncIterator[T]]:
-    """Take the first item now (raising its errors here); return it with the rest."""
+async def prime(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+    """Take the first item now, so that its errors are raised here, before any 200; return
+    a stream of all items, first included, that closes `stream` when it is closed."""
     try:
         first = await anext(stream)
     except StopAsyncIteration:
-        return None, stream
-    return first, stream
+        first = None
+
+    async def everything() -> AsyncGenerator[T, None]:
+        async with contextlib.aclosing(stream):
+            if first is not None:
+                yield first
+                async for item in stream:
+                    yield item
+
+    return everything()
