@@ -8,7 +8,8 @@ engines with identical settings:
 * client: `AsyncEngineClient`, the engine in its own process behind ZMQ (what the gateway
           uses), driven from this process's event loop;
 * http:   `tokenfleet serve` as a subprocess on 127.0.0.1, streaming `/v1/completions` with
-          token-id prompts over httpx, the SSE events parsed here.
+          token-id prompts over raw keep-alive HTTP/1.1 connections, the SSE events
+          parsed here.
 
 Per request it records when it was sent and when each token arrived (core: when `step()`
 returned it; client: when `generate` yielded it; http: when its SSE event was read), so
@@ -244,41 +245,114 @@ async def client_wave(
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def http_wave(
-    http: httpx.AsyncClient, prompts: list[list[int]], max_tokens: int
-) -> list[RequestTiming]:
-    async def one(prompt: list[int]) -> RequestTiming:
-        body = {
-            "model": SERVED_MODEL_NAME,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        timing = RequestTiming(time.perf_counter())
-        async with http.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
-            async for line in response.aiter_lines():
-                now = time.perf_counter()
-                if not line.startswith("data: "):
-                    continue
-                payload = line[6:]
-                if payload == "[DONE]":
-                    break
-                data = json.loads(payload)
-                if "error" in data:
-                    raise RuntimeError(f"error event: {data['error']}")
-                if data["choices"]:
-                    timing.token_times.append(now)
-                if data.get("usage"):
-                    timing.num_tokens = data["usage"]["completion_tokens"]
-        return timing
+class SSEConnection:
+    """One keep-alive HTTP/1.1 connection to the gateway, on raw asyncio streams.
 
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
+    Requests are encoded before the clock starts and written without awaiting, so a wave
+    of 32 reaches the gateway within microseconds, as 32 independent callers' would. (With
+    httpx, the client spent about a millisecond per request: a burst of 32 left it over
+    tens of ms, and that spread was counted as the gateway's.)
+    """
+
+    KEEPALIVE_S = 3.0  # uvicorn closes idle keep-alive connections after 5 s
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.last_used = 0.0
+
+    async def ensure_open(self) -> None:
+        if self.writer is not None and time.monotonic() - self.last_used < self.KEEPALIVE_S:
+            return
+        self.close()
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.writer.transport.set_write_buffer_limits(high=0)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    def request_bytes(self, path: str, body: dict[str, Any]) -> bytes:
+        payload = json.dumps(body).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n\r\n"
+        )
+        return head.encode() + payload
+
+    def send(self, data: bytes) -> None:
+        assert self.writer is not None
+        self.writer.write(data)
+
+    async def read_stream(self, timing: RequestTiming) -> RequestTiming:
+        """Read one chunked SSE response to `data: [DONE]`, timing each token's event."""
+        assert self.reader is not None
+        reader = self.reader
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {head.decode(errors='replace')}")
+        if b"transfer-encoding: chunked" not in head.lower():
+            raise RuntimeError(f"expected a chunked stream: {head.decode(errors='replace')}")
+        buffer = b""
+        while True:
+            size = int((await reader.readline()).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            now = time.perf_counter()
+            if size == 0:
+                raise RuntimeError("the stream ended without data: [DONE]")
+            buffer += chunk[:-2]
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                for line in event.split(b"\n"):
+                    if not line.startswith(b"data: "):
+                        continue
+                    payload = line[6:]
+                    if payload == b"[DONE]":
+                        await reader.readexactly(5)  # the closing 0-size chunk: 0\r\n\r\n
+                        self.last_used = time.monotonic()
+                        return timing
+                    data = json.loads(payload)
+                    if "error" in data:
+                        raise RuntimeError(f"error event: {data['error']}")
+                    if data["choices"]:
+                        timing.token_times.append(now)
+                    if data.get("usage"):
+                        timing.num_tokens = data["usage"]["completion_tokens"]
+
+
+async def http_wave(
+    connections: list[SSEConnection], prompts: list[list[int]], max_tokens: int
+) -> list[RequestTiming]:
+    """Every request written at once on its own keep-alive connection, then all read."""
+    for conn in connections[: len(prompts)]:
+        await conn.ensure_open()
+    requests = [
+        conn.request_bytes(
+            "/v1/completions",
+            {
+                "model": SERVED_MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
+        for conn, prompt in zip(connections, prompts, strict=False)
+    ]
+    timings = []
+    for conn, data in zip(connections, requests, strict=False):
+        timings.append(RequestTiming(time.perf_counter()))
+        conn.send(data)
+    return list(
+        await asyncio.gather(
+            *(conn.read_stream(t) for conn, t in zip(connections, timings, strict=False))
+        )
+    )
 
 
 # -- the gateway process -----------------------------------------------------------------
@@ -631,10 +705,12 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         stack.push_async_callback(client.shutdown)
         gateway = await start_gateway(serve_args, log_dir)
         stack.callback(stop_gateway, gateway)
-        limits = httpx.Limits(max_connections=max_c + 8, max_keepalive_connections=max_c + 8)
         http = await stack.enter_async_context(
-            httpx.AsyncClient(base_url=gateway.url, timeout=600, limits=limits)
-        )
+            httpx.AsyncClient(base_url=gateway.url, timeout=600)
+        )  # /metrics only; the streams go over `connections`
+        host, port = gateway.url.removeprefix("http://").split(":")
+        connections = [SSEConnection(host, int(port)) for _ in range(max_c)]
+        stack.callback(lambda: [conn.close() for conn in connections])
         load_s = time.perf_counter() - t0
         assert client.pid is not None
         meters = {
@@ -651,7 +727,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     return core_wave(core, batch, p)
                 if mode == "client":
                     return await client_wave(client, batch, p)
-                return await http_wave(http, batch, p.max_tokens)
+                return await http_wave(connections, batch, p.max_tokens)
 
             return go
 

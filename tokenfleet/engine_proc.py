@@ -37,8 +37,10 @@ from tokenfleet.outputs import (
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-ARRIVAL_WINDOW_MS = 2  # wait this long for one more arrival...
-ARRIVAL_WINDOW_MAX_S = 0.01  # ...but no longer than this in all
+ARRIVAL_GAP_MS = 2  # waking from idle, wait this long for one more arrival...
+ARRIVAL_WINDOW_STEP_SHARE = 0.5  # ...but in all no longer than this share of a recent step
+ARRIVAL_WINDOW_MAX_S = 0.1  # (and never longer than this)
+FIRST_STEP_GUESS_S = 0.02  # before any step was timed
 
 
 def _die_with_parent() -> None:
@@ -70,22 +72,24 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
         )
     )
     last_sent = time.monotonic()
+    step_s = FIRST_STEP_GUESS_S  # the last step's duration
     while True:
         busy = core.has_unfinished_requests() or core.has_pending_outputs()
         timeout_ms = 0 if busy else int(HEARTBEAT_INTERVAL_S * 1000)
         if inputs.poll(timeout_ms):
-            window_end = time.monotonic() + ARRIVAL_WINDOW_MAX_S
+            # A burst that reaches an idle engine one request at a time (each has its own way
+            # through the gateway) should share the first step: starting on the first arrival
+            # alone would make every later one wait a whole step. Waiting is worth it while it
+            # is short next to a step, hence the window's cap.
+            window_s = min(ARRIVAL_WINDOW_MAX_S, ARRIVAL_WINDOW_STEP_SHARE * step_s)
+            window_end = time.monotonic() + window_s
             while True:
                 try:
                     message = decoder.decode(inputs.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     # Waking from idle, give a burst of arrivals a moment to land in the
                     # same first step instead of queueing behind the first one's prefill.
-                    if (
-                        not busy
-                        and time.monotonic() < window_end
-                        and inputs.poll(ARRIVAL_WINDOW_MS)
-                    ):
+                    if not busy and time.monotonic() < window_end and inputs.poll(ARRIVAL_GAP_MS):
                         continue
                     break
                 if isinstance(message, Shutdown):
@@ -99,8 +103,10 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                         rejected = RequestRejected(message.request.req_id, exc.message, exc.param)
                         outputs.send(encoder.encode(rejected))
         if core.has_unfinished_requests() or core.has_pending_outputs():
+            started = time.monotonic()
             outputs.send(encoder.encode(StepOutputs(core.step())))
             last_sent = time.monotonic()
+            step_s = last_sent - started
         elif time.monotonic() - last_sent >= HEARTBEAT_INTERVAL_S:
             heartbeat = EngineCoreOutputs([], timestamp=time.time(), stats=core.stats())
             outputs.send(encoder.encode(StepOutputs(heartbeat)))
