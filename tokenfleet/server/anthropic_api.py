@@ -6,6 +6,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -82,10 +83,17 @@ async def count_tokens(request: Request) -> JSONResponse:
     return JSONResponse({"input_tokens": len(_prompt(request.app.state.service, body))})
 
 
-@router.post("/v1/messages", response_model=None)
-async def create_message(request: Request) -> Response:
-    service: GenerationService = request.app.state.service
-    body = await read_body(request, MessagesRequest)
+@dataclass
+class MessageCall:
+    """A validated Messages call: what it sent, its prompt's token ids, sampling params."""
+
+    body: MessagesRequest
+    prompt: list[int]
+    params: SamplingParams
+
+
+def prepare_message(service: GenerationService, body: MessagesRequest) -> MessageCall:
+    """Every check of a Messages call that needs no engine time."""
     prompt = _prompt(service, body)
     service.check_length(len(prompt), body.max_tokens, "max_tokens")
     try:
@@ -97,32 +105,61 @@ async def create_message(request: Request) -> Response:
         )
     except InvalidRequestError as exc:
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
-    service.admit(len(prompt))
-    message_id = f"msg_{uuid.uuid4().hex[:24]}"
-    deltas = await prime(
-        service.generate(prompt, params, body.stop_sequences, route="/v1/messages")
-    )
-    message = {
-        "id": message_id,
+    return MessageCall(body, prompt, params)
+
+
+def _message(call: MessageCall) -> dict[str, Any]:
+    return {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",
         "role": "assistant",
-        "model": body.model,
+        "model": call.body.model,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": len(prompt), "output_tokens": 0},
+        "usage": {"input_tokens": len(call.prompt), "output_tokens": 0},
     }
+
+
+def _finish(message: dict[str, Any], text: str, last: TextDelta) -> dict[str, Any]:
+    message["content"] = [{"type": "text", "text": text}]
+    message["stop_reason"] = STOP_REASONS.get(last.finish_reason or "", "end_turn")
+    message["stop_sequence"] = last.stop_sequence
+    message["usage"] = {
+        "input_tokens": message["usage"]["input_tokens"],
+        "output_tokens": last.num_output_tokens,
+    }
+    return message
+
+
+async def run_message(
+    service: GenerationService, call: MessageCall, priority: str
+) -> dict[str, Any]:
+    """A non-streamed Message (the Batch API's path: never refused for load)."""
+    deltas = service.generate(
+        call.prompt, call.params, call.body.stop_sequences, route="/v1/messages", priority=priority
+    )
+    text, last = await _collect(deltas)
+    return _finish(_message(call), text, last)
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(request: Request) -> Response:
+    service: GenerationService = request.app.state.service
+    body = await read_body(request, MessagesRequest)
+    call = prepare_message(service, body)
+    service.admit(len(call.prompt))
+    deltas = await prime(
+        service.generate(call.prompt, call.params, body.stop_sequences, route="/v1/messages")
+    )
+    message = _message(call)
     if body.stream:
         return StreamingResponse(_stream(message, deltas), media_type="text/event-stream")
     try:
         text, last = await cancel_on_disconnect(request, _collect(deltas))
     except ClientDisconnected:
         return Response(status_code=499)  # nobody reads it; the engine request was aborted
-    message["content"] = [{"type": "text", "text": text}]
-    message["stop_reason"] = STOP_REASONS.get(last.finish_reason, "end_turn")
-    message["stop_sequence"] = last.stop_sequence
-    message["usage"] = {"input_tokens": len(prompt), "output_tokens": last.num_output_tokens}
-    return JSONResponse(message)
+    return JSONResponse(_finish(message, text, last))
 
 
 async def _collect(deltas: AsyncGenerator[TextDelta, None]) -> tuple[str, TextDelta]:

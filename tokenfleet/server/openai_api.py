@@ -7,6 +7,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -169,10 +170,13 @@ def _completion_logprobs(
 
 
 class _Run:
-    """One API call: its prompts (one per choice), the merged stream and the accounting."""
+    """One API call: its prompts (one per choice), the merged stream and the accounting.
+    Interactive calls pass admission control; batch calls are never refused for load."""
 
-    def __init__(self, service: GenerationService, body: _Common, route: str) -> None:
-        self.service, self.body, self.route = service, body, route
+    def __init__(
+        self, service: GenerationService, body: _Common, route: str, priority: str
+    ) -> None:
+        self.service, self.body, self.route, self.priority = service, body, route, priority
         self.id = (
             "chatcmpl-" if route.endswith("chat/completions") else "cmpl-"
         ) + uuid.uuid4().hex
@@ -186,10 +190,15 @@ class _Run:
         self.prompt_tokens = sum(len(p) for p in prompts[:: self.body.n])
         self.completion_tokens = [0] * len(prompts)
         stop = self.body.stop_list()
-        self.service.admit(sum(len(p) for p in prompts[:: self.body.n]))
+        if self.priority == "interactive":
+            self.service.admit(sum(len(p) for p in prompts[:: self.body.n]))
         streams = [
             self.service.generate(
-                p, _params(self.body, m, logprobs, i % self.body.n), stop, route=self.route
+                p,
+                _params(self.body, m, logprobs, i % self.body.n),
+                stop,
+                route=self.route,
+                priority=self.priority,
             )
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
         ]
@@ -220,10 +229,20 @@ async def chat_completions(request: Request) -> Response:
     return await _unless_disconnected(request, _chat_completions(service, body))
 
 
-async def _chat_completions(
-    service: GenerationService, body: ChatRequest
-) -> JSONResponse | StreamingResponse:
+@dataclass
+class ChatCall:
+    """A validated chat completion call: what it sent, and its prompt's token ids."""
+
+    body: ChatRequest
+    prompt: list[int]
+    max_tokens: int
+    num_top: int | None  # top logprobs per token; None: no logprobs
+
+
+def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
+    """Every check of a chat completion call that needs no engine time."""
     service.check_model(body.model)
+    body.stop_list()
     messages = []
     for m in body.messages:
         content = (
@@ -237,8 +256,23 @@ async def _chat_completions(
         max_tokens = max(service.max_model_len - len(prompt), 1)
     service.check_length(len(prompt), max_tokens, param)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    run = _Run(service, body, "/v1/chat/completions")
-    merged = await prime(run.start([prompt] * body.n, [max_tokens] * body.n, num_top))
+    return ChatCall(body, prompt, max_tokens, num_top)
+
+
+async def run_chat(service: GenerationService, call: ChatCall, priority: str) -> dict[str, Any]:
+    """A non-streamed chat completion, as its JSON body (the Batch API's path)."""
+    run = _Run(service, call.body, "/v1/chat/completions", priority)
+    merged = run.start([call.prompt] * call.body.n, [call.max_tokens] * call.body.n, call.num_top)
+    return await _chat_body(service, call, run, merged)
+
+
+async def _chat_completions(
+    service: GenerationService, body: ChatRequest
+) -> JSONResponse | StreamingResponse:
+    call = prepare_chat(service, body)
+    num_top = call.num_top
+    run = _Run(service, body, "/v1/chat/completions", "interactive")
+    merged = await prime(run.start([call.prompt] * body.n, [call.max_tokens] * body.n, num_top))
     tokenizer = service.tokenizer
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
@@ -300,35 +334,44 @@ async def _chat_completions(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    texts = [""] * body.n
-    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(body.n)]
-    reasons = ["stop"] * body.n
-    async for i, d in merged:
-        texts[i] += d.text
-        logprobs[i] += _chat_logprobs(tokenizer, d.logprobs)
-        run.completion_tokens[i] = d.num_output_tokens
-        if d.finish_reason:
-            reasons[i] = FINISH_REASONS.get(d.finish_reason, "stop")
+    return JSONResponse(await _chat_body(service, call, run, merged))
+
+
+async def _chat_body(
+    service: GenerationService,
+    call: ChatCall,
+    run: _Run,
+    merged: AsyncIterator[tuple[int, TextDelta]],
+) -> dict[str, Any]:
+    body, n = call.body, call.body.n
+    texts = [""] * n
+    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    reasons = ["stop"] * n
+    async with contextlib.aclosing(merged):  # type: ignore[type-var]
+        async for i, d in merged:
+            texts[i] += d.text
+            logprobs[i] += _chat_logprobs(service.tokenizer, d.logprobs)
+            run.completion_tokens[i] = d.num_output_tokens
+            if d.finish_reason:
+                reasons[i] = FINISH_REASONS.get(d.finish_reason, "stop")
     choices = [
         {
             "index": i,
             "message": {"role": "assistant", "content": texts[i], "refusal": None},
-            "logprobs": {"content": logprobs[i]} if num_top is not None else None,
+            "logprobs": {"content": logprobs[i]} if call.num_top is not None else None,
             "finish_reason": reasons[i],
         }
-        for i in range(body.n)
+        for i in range(n)
     ]
-    return JSONResponse(
-        {
-            "id": run.id,
-            "object": "chat.completion",
-            "created": run.created,
-            "model": body.model,
-            "system_fingerprint": None,
-            "choices": choices,
-            "usage": run.usage(),
-        }
-    )
+    return {
+        "id": run.id,
+        "object": "chat.completion",
+        "created": run.created,
+        "model": body.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": run.usage(),
+    }
 
 
 @router.post("/v1/completions", response_model=None)
@@ -338,10 +381,18 @@ async def completions(request: Request) -> Response:
     return await _unless_disconnected(request, _completions(service, body))
 
 
-async def _completions(
-    service: GenerationService, body: CompletionRequest
-) -> JSONResponse | StreamingResponse:
+@dataclass
+class CompletionCall:
+    """A validated completions call: one prompt's token ids per choice (prompt x n)."""
+
+    body: CompletionRequest
+    prompts: list[list[int]]
+
+
+def prepare_completion(service: GenerationService, body: CompletionRequest) -> CompletionCall:
+    """Every check of a completions call that needs no engine time."""
     service.check_model(body.model)
+    body.stop_list()
     raw = body.prompt
     if isinstance(raw, str):
         prompts = [service.tokenizer.encode(raw)]
@@ -358,35 +409,27 @@ async def _completions(
                 400, "invalid_request", f"prompt token ids must be in [0, {vocab})", param="prompt"
             )
         service.check_length(len(p), body.max_tokens, "max_tokens")
-    expanded = [p for p in prompts for _ in range(body.n)]
-    run = _Run(service, body, "/v1/completions")
+    return CompletionCall(body, [p for p in prompts for _ in range(body.n)])
+
+
+async def run_completion(
+    service: GenerationService, call: CompletionCall, priority: str
+) -> dict[str, Any]:
+    """A non-streamed completion, as its JSON body (the Batch API's path)."""
+    body, expanded = call.body, call.prompts
+    run = _Run(service, body, "/v1/completions", priority)
+    merged = run.start(expanded, [body.max_tokens] * len(expanded), body.logprobs)
+    return await _completion_body(service, call, run, merged)
+
+
+async def _completions(
+    service: GenerationService, body: CompletionRequest
+) -> JSONResponse | StreamingResponse:
+    call = prepare_completion(service, body)
+    expanded = call.prompts
+    run = _Run(service, body, "/v1/completions", "interactive")
     merged = await prime(run.start(expanded, [body.max_tokens] * len(expanded), body.logprobs))
-    tokenizer = service.tokenizer
-    offsets = [0] * len(expanded)
-
-    def choice(i: int, d: TextDelta, text: str) -> dict[str, Any]:
-        lp = None
-        if body.logprobs is not None:
-            lp = _completion_logprobs(tokenizer, d.logprobs, offsets[i])
-            if lp["tokens"]:  # a stream's next chunk goes on from the last token's end
-                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-        reason = FINISH_REASONS.get(d.finish_reason, "stop") if d.finish_reason else None
-        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
-
-    def data(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": run.id,
-            "object": "text_completion",
-            "created": run.created,
-            "model": body.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if usage is not None or not body.stream:
-            out["usage"] = usage
-        elif body.stream_options and body.stream_options.include_usage:
-            out["usage"] = None
-        return out
+    render = _CompletionChoices(service.tokenizer, body, run, len(expanded))
 
     if body.stream:
 
@@ -398,27 +441,76 @@ async def _completions(
                         # Tokens whose text is held back (a partial character or stop
                         # string) still carry their logprobs.
                         if d.text or d.finish_reason or (body.logprobs is not None and d.logprobs):
-                            yield sse_event(data([choice(i, d, d.text)]))
+                            yield sse_event(render.data([render.choice(i, d, d.text)]))
                 except APIError as exc:
                     yield sse_event(openai_error_body(exc.kind, exc.message, exc.param))
                     return
             if body.stream_options and body.stream_options.include_usage:
-                yield sse_event(data([], run.usage()))
+                yield sse_event(render.data([], run.usage()))
             yield sse_event("[DONE]")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    return JSONResponse(await _completion_body(service, call, run, merged))
+
+
+class _CompletionChoices:
+    """Renders text_completion objects and their choices (logprob offsets carry on)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, body: CompletionRequest, run: _Run, num_choices: int
+    ) -> None:
+        self.tokenizer, self.body, self.run = tokenizer, body, run
+        self.offsets = [0] * num_choices
+
+    def choice(self, i: int, d: TextDelta, text: str) -> dict[str, Any]:
+        lp = None
+        if self.body.logprobs is not None:
+            lp = _completion_logprobs(self.tokenizer, d.logprobs, self.offsets[i])
+            if lp["tokens"]:  # a stream's next chunk goes on from the last token's end
+                self.offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        reason = FINISH_REASONS.get(d.finish_reason, "stop") if d.finish_reason else None
+        return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    def data(
+        self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
+    ) -> dict[str, Any]:
+        body = self.body
+        out: dict[str, Any] = {
+            "id": self.run.id,
+            "object": "text_completion",
+            "created": self.run.created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if usage is not None or not body.stream:
+            out["usage"] = usage
+        elif body.stream_options and body.stream_options.include_usage:
+            out["usage"] = None
+        return out
+
+
+async def _completion_body(
+    service: GenerationService,
+    call: CompletionCall,
+    run: _Run,
+    merged: AsyncIterator[tuple[int, TextDelta]],
+) -> dict[str, Any]:
+    expanded = call.prompts
+    render = _CompletionChoices(service.tokenizer, call.body, run, len(expanded))
     texts = [""] * len(expanded)
     entries: list[list[TokenLogprobs]] = [[] for _ in expanded]
     last: list[TextDelta | None] = [None] * len(expanded)
-    async for i, d in merged:
-        texts[i] += d.text
-        entries[i] += d.logprobs
-        run.completion_tokens[i] = d.num_output_tokens
-        last[i] = d
+    async with contextlib.aclosing(merged):  # type: ignore[type-var]
+        async for i, d in merged:
+            texts[i] += d.text
+            entries[i] += d.logprobs
+            run.completion_tokens[i] = d.num_output_tokens
+            last[i] = d
     choices = []
     for i, final in enumerate(last):
         assert final is not None
         whole = TextDelta(texts[i], [], final.num_output_tokens, entries[i], final.finish_reason)
-        choices.append(choice(i, whole, texts[i]))
-    return JSONResponse(data(choices, run.usage()))
+        choices.append(render.choice(i, whole, texts[i]))
+    return render.data(choices, run.usage())

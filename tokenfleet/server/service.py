@@ -25,6 +25,9 @@ from tokenfleet.tokenizer import Tokenizer
 
 T = TypeVar("T")
 
+# Priority classes as the engine's scheduler orders them (lower first).
+PRIORITIES = {"interactive": 0, "batch": 1}
+
 
 class ClientDisconnected(Exception):
     """The caller went away before its non-streamed reply was ready."""
@@ -145,7 +148,11 @@ class GenerationService:
     ) -> AsyncGenerator[TextDelta, None]:
         num_prompt = len(prompt_token_ids)
         request = EngineCoreRequest(
-            f"gen-{uuid.uuid4().hex}", prompt_token_ids, params, time.monotonic()
+            f"gen-{uuid.uuid4().hex}",
+            prompt_token_ids,
+            params,
+            time.monotonic(),
+            priority=PRIORITIES[priority],
         )
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         stopper = StopChecker(list(stop))
