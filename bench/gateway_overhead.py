@@ -376,7 +376,7 @@ async def start_gateway(argv_tail: list[str], log_dir: Path, timeout_s: float = 
     port = free_port()
     log = log_dir / "serve.log"
     argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), *argv_tail]
+    argv += ["--port", str(port), "--data-dir", str(log_dir / "data"), *argv_tail]
     with log.open("wb") as out:
         process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     gateway = Gateway(f"http://127.0.0.1:{port}", process, log)

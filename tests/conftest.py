@@ -11,6 +11,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Servers the tests start never touch the user's batch store.
+    os.environ["TOKENFLEET_DATA_DIR"] = str(tmp_path_factory.mktemp("tokenfleet-data"))
+
+
 @pytest.fixture(scope="session")
 def model_folder() -> Path:
     from tokenfleet import envs

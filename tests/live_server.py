@@ -66,6 +66,8 @@ def live_server(
     argv += ["--kv-cache-memory", str(256 << 20), "--num-threads", "1"]
     if model_folder is not None:
         argv += ["--model", str(model_folder)]
+    if "--data-dir" not in args:  # a batch store of its own, unless a test shares one
+        argv += ["--data-dir", str(tmp_dir / f"data-{port}")]
     with log.open("wb") as out:
         process = subprocess.Popen(
             argv + list(args), stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenfleet.server.app import create_app
-    from tokenfleet.server.settings import ServeConfig
+    from tokenfleet.server.settings import BatchConfig, ServeConfig
 
     keys = set(args.api_key or [])
     if args.api_keys_file:
@@ -64,6 +65,13 @@ def _serve(args: argparse.Namespace) -> int:
             max_body_bytes=args.max_body_bytes,
             ttft_target_s=args.ttft_target,
             engine=engine,
+            batch=BatchConfig(
+                data_dir=args.data_dir,
+                database_url=args.database_url or None,
+                gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
+                batch_expiry_s=args.batch_expiry,
+                lease_s=args.lease_seconds,
+            ),
         )
     except ValueError as exc:
         print(f"tokenfleet serve: {exc}", file=sys.stderr)
@@ -124,6 +132,19 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     add("--max-num-seqs", type=int, default=64, help="sequences per step")
+    add("--data-dir", type=_path, default=envs.data_dir(), help="batch store and files")
+    add(
+        "--database-url",
+        default=envs.get("TOKENFLEET_DATABASE_URL"),
+        help="batch store: postgresql://user:pass@host/db to share it (default: SQLite)",
+    )
+    add(
+        "--gateway-id",
+        default=None,
+        help="this gateway's name among those sharing a store (default: host:port)",
+    )
+    add("--batch-expiry", type=float, default=24 * 3600.0, help="seconds a batch may take")
+    add("--lease-seconds", type=float, default=120.0, help="batch request lease, renewed")
     serve.set_defaults(func=_serve)
 
 

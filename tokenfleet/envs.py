@@ -20,6 +20,15 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, str]] = {
     "TOKENFLEET_API_KEY": ("", "an API key callers must send (x-api-key or Bearer)"),
     "TOKENFLEET_API_KEYS_FILE": ("", "a file of API keys, one per line"),
     "TOKENFLEET_MODEL": ("", "a Hugging Face model folder (default: the bundled model)"),
+    "TOKENFLEET_DATA_DIR": (
+        "~/.local/share/tokenfleet",
+        "the batch store (SQLite) and uploaded files",
+    ),
+    "TOKENFLEET_DATABASE_URL": (
+        "",
+        "the batch store: postgresql://... to share one among gateways (default: SQLite "
+        "in the data folder)",
+    ),
 }
 
 
@@ -29,6 +38,10 @@ def _get(name: str) -> str:
 
 def cache_dir() -> Path:
     return Path(_get("TOKENFLEET_CACHE_DIR")).expanduser()
+
+
+def data_dir() -> Path:
+    return Path(_get("TOKENFLEET_DATA_DIR")).expanduser()
 
 
 def num_threads() -> int | None:

@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -17,13 +18,17 @@ from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenfleet.batch.store import BatchStore
 from tokenfleet.engine_client import AsyncEngineClient
 from tokenfleet.model_folder import resolve_model_folder
-from tokenfleet.server import anthropic_api, openai_api
+from tokenfleet.server import anthropic_api, anthropic_batches, openai_api, openai_batches
+from tokenfleet.server.batch_input import ENDPOINTS
+from tokenfleet.server.batch_state import BatchState
+from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
 from tokenfleet.server.errors import APIError, error_response, is_anthropic_route, request_id
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.service import GenerationService
-from tokenfleet.server.settings import ServeConfig
+from tokenfleet.server.settings import BatchConfig, ServeConfig
 from tokenfleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -31,12 +36,15 @@ logger = logging.getLogger(__name__)
 _OPEN_PATHS = ("/health", "/metrics")
 
 
-def _authorized(request: Request, keys: frozenset[str]) -> bool:
+def _api_key(request: Request, keys: frozenset[str]) -> str | None:
+    """The caller's key when it is one of `keys`, else None."""
     given = request.headers.get("x-api-key")
     auth = request.headers.get("authorization", "")
     if given is None and auth.lower().startswith("bearer "):
         given = auth[7:].strip()
-    return given is not None and any(hmac.compare_digest(given, k) for k in keys)
+    if given is not None and any(hmac.compare_digest(given, k) for k in keys):
+        return given
+    return None
 
 
 class _RequestContext:
@@ -53,14 +61,13 @@ class _RequestContext:
             return
         request = Request(scope)
         rid = request_id(request)
-        if (
-            self.api_keys
-            and scope["path"] not in _OPEN_PATHS
-            and not _authorized(request, self.api_keys)
-        ):
-            error = APIError(401, "authentication", "missing or invalid API key")
-            await error_response(request, error)(scope, receive, send)
-            return
+        if self.api_keys and scope["path"] not in _OPEN_PATHS:
+            key = _api_key(request, self.api_keys)
+            if key is None:
+                error = APIError(401, "authentication", "missing or invalid API key")
+                await error_response(request, error)(scope, receive, send)
+                return
+            scope["tokenfleet.api_key"] = key  # batches and files belong to their key
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -87,6 +94,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.state.service = GenerationService(client, Tokenizer(folder), config, metrics)
         app.state.started = int(time.time())
         await client.start()
+        batches = await _start_batches(config.batch, app.state.service, client)
+        app.state.batches = batches
         # Everything loaded so far lives as long as the server: keep the collector from
         # walking it again on every full collection (a pause in every stream).
         gc.collect()
@@ -94,6 +103,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         try:
             yield
         finally:
+            await batches.dispatcher.stop()
+            batches.store.close()
             await client.shutdown()
 
     app = FastAPI(title="tokenfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -161,6 +172,36 @@ def create_app(config: ServeConfig) -> FastAPI:
             }
         )
 
+    app.include_router(anthropic_batches.router)  # before /v1/messages/{...} could shadow it
     app.include_router(anthropic_api.router)
     app.include_router(openai_api.router)
+    app.include_router(openai_batches.router)
     return app
+
+
+async def _start_batches(
+    config: BatchConfig, service: GenerationService, client: AsyncEngineClient
+) -> BatchState:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    store = BatchStore(config.url)
+    runners = {path: partial(e.run, service) for path, e in ENDPOINTS.items()}
+    dispatcher = BatchDispatcher(
+        store,
+        DispatcherConfig(
+            owner=config.gateway_id,
+            depth=config_depth(client),
+            lease_s=config.lease_s,
+            max_attempts=config.max_attempts,
+            retention_s=config.retention_s,
+        ),
+        runners,
+        ResultFormats(),
+        ready=client.is_healthy,
+    )
+    await dispatcher.start()
+    return BatchState(config, store, dispatcher)
+
+
+def config_depth(client: AsyncEngineClient) -> int:
+    """Batch requests kept in the engine: its sequence slots, enough to keep it full."""
+    return client.config.scheduler.max_num_seqs

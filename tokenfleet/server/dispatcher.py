@@ -1,0 +1,252 @@
+"""The batch dispatcher: leases batch requests from the store, runs them on the engine at
+batch priority, and commits each result before it counts.
+
+    store ──lease(n)──► dispatcher task per request ──► engine (priority "batch")
+      ▲                         │
+      └── complete(epoch) ◄─────┘  result committed, or release() on an engine failure
+                                   (queued again; errored after max attempts)
+
+It keeps just enough requests in flight to keep the engine's batch queue full (the engine's
+sequence slots), so that a cancel or an interactive burst finds little to undo. Leases are
+renewed while their requests run; a gateway that dies stops renewing, and its leases come
+back to the queue when they expire (or at once when it restarts under the same id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tokenfleet.batch.schema import LeasedRequest
+from tokenfleet.batch.store import BatchStore
+from tokenfleet.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# endpoint -> runs one request's params to its response body (raises APIError)
+Runner = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# (api, endpoint, response body) -> the result JSON stored for a success
+# (api, endpoint, APIError) -> the result JSON stored for a failure
+
+
+@dataclass(frozen=True)
+class DispatcherConfig:
+    owner: str  # this gateway's lease owner id
+    depth: int = 64  # batch requests in flight at once (the engine's sequence slots)
+    lease_s: float = 120.0  # renewed every lease_s / 3 while a request runs
+    max_attempts: int = 3  # engine failures before a request is recorded as errored
+    poll_s: float = 0.05  # how often to look for work when there was none
+    maintenance_s: float = 1.0  # expiry, ending batches, dead leases
+    archive_s: float = 3600.0  # how often to archive old batches
+    retention_s: float = 29 * 24 * 3600.0  # results kept this long after a batch ends
+
+
+class BatchDispatcher:
+    def __init__(
+        self,
+        store: BatchStore,
+        config: DispatcherConfig,
+        runners: dict[str, Runner],
+        results: ResultFormats,
+        *,
+        ready: Callable[[], bool] = lambda: True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.runners = runners
+        self.results = results
+        self.ready = ready  # lease only while the engine can take work
+        self.clock = clock
+        # One thread: the store's calls from this gateway never contend with each other.
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
+        self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
+        self._leases: dict[tuple[str, int], int] = {}  # (batch_id, idx) -> epoch
+        self._canceling: set[str] = set()  # batches whose running requests are aborted
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._last_archive = 0.0
+        self._last_renew = 0.0
+
+    async def db(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a store call on the store's thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._db, fn, *args)
+
+    async def start(self) -> None:
+        # Whatever this gateway held before a restart died with it: back to the queue now.
+        await self.db(self.store.requeue_owner, self.config.owner, self.clock())
+        self._loop_task = asyncio.create_task(self._run(), name="batch-dispatcher")
+
+    async def stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # What was running goes back to the queue for the next gateway (or this one again).
+        with contextlib.suppress(Exception):
+            await self.db(self.store.requeue_owner, self.config.owner, self.clock())
+        self._db.shutdown(wait=True)
+
+    def wake(self) -> None:
+        """New work was accepted: look for it now rather than at the next poll."""
+        self._wake.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def cancel(self, batch_id: str) -> None:
+        """Abort this gateway's running requests of a canceled batch."""
+        tasks = [t for (b, _), t in self._tasks.items() if b == batch_id]
+        self._canceling.add(batch_id)
+        try:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._canceling.discard(batch_id)
+
+    async def _run(self) -> None:
+        next_maintenance = 0.0
+        while True:
+            try:
+                now = self.clock()
+                if now >= next_maintenance:
+                    await self._maintain(now)
+                    next_maintenance = now + self.config.maintenance_s
+                free = self.config.depth - len(self._tasks)
+                leased: list[LeasedRequest] = []
+                if free > 0 and self.ready():
+                    leased = await self.db(
+                        self.store.lease, self.config.owner, free, self.config.lease_s, now
+                    )
+                for request in leased:
+                    key = (request.batch_id, request.idx)
+                    self._leases[key] = request.epoch
+                    self._tasks[key] = asyncio.create_task(self._execute(request))
+                if leased and len(leased) == free:
+                    continue  # maybe more: fill up as soon as a slot frees
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("batch dispatcher step failed; retrying")
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.poll_s * 20)
+
+    async def _maintain(self, now: float) -> None:
+        store = self.store
+        await self.db(store.requeue_expired_leases, now)
+        expired = await self.db(store.expire_batches, now)
+        for batch_id in expired:
+            await self.cancel(batch_id)
+        if now - self._last_renew >= self.config.lease_s / 3 and self._leases:
+            await self.db(store.renew_leases, self.config.owner, self.config.lease_s, now)
+            self._last_renew = now
+        # Requests of batches canceled elsewhere (another gateway) stop here too.
+        running = {b for b, _ in self._tasks}
+        for batch_id in running:
+            batch = await self.db(store.get_batch_any_owner, batch_id)
+            if batch is not None and batch.state != "in_progress":
+                await self.cancel(batch_id)
+        await self.db(store.finish_batches, now)
+        if now - self._last_archive >= self.config.archive_s:
+            await self.db(store.archive_batches, now, self.config.retention_s)
+            self._last_archive = now
+
+    async def _execute(self, request: LeasedRequest) -> None:
+        key = (request.batch_id, request.idx)
+        try:
+            runner = self.runners[request.endpoint]
+            try:
+                body = await runner(json.loads(request.params))
+            except asyncio.CancelledError:
+                # A canceled batch: its running request ends "canceled" (unless expiry got
+                # there first: the store refuses a lease that moved on). On shutdown the
+                # lease is left for requeue_owner instead.
+                if request.batch_id in self._canceling:
+                    await asyncio.shield(self._complete(request, "canceled", None))
+                raise
+            except APIError as exc:
+                if exc.status >= 500 and exc.status != 529:
+                    # The engine died or failed: lease it again (bounded attempts).
+                    error = self.results.error(request.api, request.endpoint, exc)
+                    await self.db(
+                        self.store.release,
+                        request.batch_id,
+                        request.idx,
+                        request.epoch,
+                        self.clock(),
+                        error,
+                        self.config.max_attempts,
+                    )
+                    return
+                error = self.results.error(request.api, request.endpoint, exc)
+                await self._complete(request, "errored", error)
+                return
+            except Exception as exc:
+                logger.exception("batch request %s/%d failed", request.batch_id, request.idx)
+                failure = APIError(500, "internal", f"internal error: {type(exc).__name__}")
+                await self._complete(
+                    request, "errored", self.results.error(request.api, request.endpoint, failure)
+                )
+                return
+            result = self.results.success(request.api, request.endpoint, body)
+            await self._complete(request, "succeeded", result)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._tasks.pop(key, None)
+            self._leases.pop(key, None)
+            self._wake.set()
+
+    async def _complete(self, request: LeasedRequest, status: str, result: str | None) -> None:
+        accepted = await self.db(
+            self.store.complete,
+            request.batch_id,
+            request.idx,
+            request.epoch,
+            status,
+            result,
+            self.clock(),
+        )
+        if not accepted:
+            logger.info(
+                "result of %s/%d under epoch %d refused (the lease moved on)",
+                request.batch_id,
+                request.idx,
+                request.epoch,
+            )
+
+
+class ResultFormats:
+    """How a request's outcome is stored, per API: the lines the results files are made of
+    (Anthropic: the `result` of a results line; OpenAI: the `response` / `error` of an
+    output or error file line)."""
+
+    def success(self, api: str, endpoint: str, body: dict[str, Any]) -> str:
+        if api == "anthropic":
+            return json.dumps({"type": "succeeded", "message": body})
+        return json.dumps({"status_code": 200, "body": body})
+
+    def error(self, api: str, endpoint: str, error: APIError) -> str:
+        from tokenfleet.server.errors import anthropic_error_body, openai_error_body
+
+        if api == "anthropic":
+            return json.dumps(
+                {"type": "errored", "error": anthropic_error_body(error.kind, error.message)}
+            )
+        body = openai_error_body(error.kind, error.message, error.param)
+        return json.dumps({"status_code": error.status, "body": body})
