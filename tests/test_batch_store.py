@@ -23,6 +23,7 @@ from tokenfleet.batch import (
     FileRow,
     NewBatch,
     NewRequest,
+    Outcome,
     SchemaTooNew,
     engine_url,
 )
@@ -344,6 +345,26 @@ def test_a_late_result_under_an_old_epoch_is_refused(store: BatchStore) -> None:
     assert store.complete("msgbatch_1", 0, new.epoch, "errored", '"twice"', T0 + 4) is False
     [result] = store.iter_results("msgbatch_1")
     assert (result.status, result.result) == ("succeeded", '"fresh"')
+
+
+def test_complete_many_records_current_leases_and_refuses_stale_ones(store: BatchStore) -> None:
+    store.create_batch(new_batch("msgbatch_1"), new_requests(3))
+    a, b, c = store.lease("engine-a", 3, 60, T0)
+    assert store.requeue_owner("engine-a", T0 + 1) == 3
+    [b2] = [x for x in store.lease("engine-b", 3, 60, T0 + 2) if x.idx == b.idx]
+    outcomes = [
+        Outcome("msgbatch_1", a.idx, a.epoch, "succeeded", '"stale a"'),  # requeued since
+        Outcome("msgbatch_1", b.idx, b2.epoch, "succeeded", '"b"'),
+        Outcome("msgbatch_1", c.idx, c.epoch + 1, "errored", '"c"'),  # c's new lease
+    ]
+
+    assert store.complete_many(outcomes, T0 + 3) == 2
+    assert store.complete_many([], T0 + 3) == 0
+    assert [(r.idx, r.status, r.result) for r in store.iter_results("msgbatch_1")] == [
+        (0, "leased", None),
+        (1, "succeeded", '"b"'),
+        (2, "errored", '"c"'),
+    ]
 
 
 def test_requeue_owner_returns_only_that_owners_leases(store: BatchStore) -> None:

@@ -53,6 +53,7 @@ def _serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
+        runner=args.runner,
         cache=cache,
         scheduler=scheduler,
     )
@@ -132,6 +133,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     add("--max-num-seqs", type=int, default=64, help="sequences per step")
+    add(
+        "--runner",
+        choices=("model", "fixed"),
+        default="model",
+        help="fixed: answer a fixed token without running the model (plumbing tests only)",
+    )
     add("--data-dir", type=_path, default=envs.data_dir(), help="batch store and files")
     add(
         "--database-url",
@@ -146,6 +153,68 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--batch-expiry", type=float, default=24 * 3600.0, help="seconds a batch may take")
     add("--lease-seconds", type=float, default=120.0, help="batch request lease, renewed")
     serve.set_defaults(func=_serve)
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from tokenfleet import batch_client
+
+    try:
+        with batch_client.BatchClient(args.url, args.api_key or None) as client:
+            if args.batch_command == "submit":
+                batch_id = client.submit(args.file, idempotency_key=args.idempotency_key)
+                print(batch_id, flush=True)
+                if args.wait:
+                    print(client.wait(batch_id).describe())
+            elif args.batch_command == "status":
+                print((client.wait(args.id) if args.wait else client.status(args.id)).describe())
+            else:
+                if args.wait:
+                    client.wait(args.id)
+                num_lines = client.write_results(args.id, args.output)
+                print(f"wrote {num_lines} lines to {args.output}")
+    except batch_client.UsageError as exc:
+        print(f"tokenfleet batch {args.batch_command}: {exc}", file=sys.stderr)
+        return 2
+    except batch_client.BatchError as exc:
+        print(f"tokenfleet batch {args.batch_command}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_batch(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    batch = commands.add_parser(
+        "batch",
+        help="submit a JSONL batch, follow it, fetch its results",
+        description="Call a server's Anthropic Message Batches or OpenAI Batch API.",
+        epilog=_env_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    batch_commands = batch.add_subparsers(dest="batch_command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=envs.get("TOKENFLEET_URL"), help="(default %(default)s)")
+    common.add_argument(
+        "--api-key",
+        default=envs.get("TOKENFLEET_API_KEY"),
+        help="sent as x-api-key and Bearer (default: TOKENFLEET_API_KEY)",
+    )
+    common.add_argument("--wait", action="store_true", help="wait until the batch has ended")
+    submit = batch_commands.add_parser(
+        "submit",
+        parents=[common],
+        help="create a batch from a JSONL file of Anthropic or OpenAI batch requests",
+    )
+    submit.add_argument("file", type=_path, help="one request a line")
+    submit.add_argument("--idempotency-key", default=None, help="sent as Idempotency-Key")
+    status = batch_commands.add_parser(
+        "status", parents=[common], help="a batch's state and request counts"
+    )
+    status.add_argument("id", help="msgbatch_... (Anthropic) or batch_... (OpenAI)")
+    results = batch_commands.add_parser(
+        "results", parents=[common], help="write an ended batch's results as JSONL"
+    )
+    results.add_argument("id", help="msgbatch_... (Anthropic) or batch_... (OpenAI)")
+    results.add_argument("-o", "--output", type=_path, required=True, help="the JSONL to write")
+    batch.set_defaults(func=_batch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--quiet", action="store_true", help="no progress bar")
     prepare.set_defaults(func=_prepare)
     _add_serve(commands)
+    _add_batch(commands)
     return parser
 
 

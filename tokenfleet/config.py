@@ -62,6 +62,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    # "model" runs the model; "fixed" answers a fixed token without running it (plumbing
+    # tests at a scale the real model cannot reach in CI).
+    runner: str = "model"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -73,6 +76,8 @@ class EngineConfig:
                 f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
             )
+        if self.runner not in ("model", "fixed"):
+            raise ValueError(f"runner must be 'model' or 'fixed', got {self.runner!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -18,6 +18,7 @@ import torch
 from tokenfleet import envs
 from tokenfleet.config import EngineConfig
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
+from tokenfleet.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
 from tokenfleet.kv_cache import KVCacheManager
 from tokenfleet.model_folder import resolve_model_folder
 from tokenfleet.model_runner import ModelRunner
@@ -30,6 +31,7 @@ from tokenfleet.outputs import (
 )
 from tokenfleet.request import Request
 from tokenfleet.scheduler import Scheduler
+from tokenfleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -47,15 +49,21 @@ class EngineCore:
             model_config.max_position_embeddings,
         )
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(
-            self.model_folder,
-            device=config.device,
-            dtype=config.dtype,
-            cache_config=config.cache,
-            max_model_len=max_len,
-            seed=config.seed,
-            attention_backend=config.attention_backend,
-        )
+        self.runner: ModelRunner | FixedTokenRunner
+        if config.runner == "fixed":
+            # The token "a": text of its own, never EOS.
+            token_id = Tokenizer(self.model_folder).encode(" a")[-1]
+            self.runner = FixedTokenRunner(model_config, token_id, FIXED_NUM_BLOCKS)
+        else:
+            self.runner = ModelRunner(
+                self.model_folder,
+                device=config.device,
+                dtype=config.dtype,
+                cache_config=config.cache,
+                max_model_len=max_len,
+                seed=config.seed,
+                attention_backend=config.attention_backend,
+            )
         self.model_config = self.runner.config
         block_size = config.cache.block_size
         # A request must fit the cache on its own, or it could never be scheduled.

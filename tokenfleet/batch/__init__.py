@@ -16,6 +16,7 @@ from tokenfleet.batch.schema import (
     LeasedRequest,
     NewBatch,
     NewRequest,
+    Outcome,
     RequestStatus,
     ResultRow,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "LeasedRequest",
     "NewBatch",
     "NewRequest",
+    "Outcome",
     "RequestStatus",
     "ResultRow",
     "SchemaTooNew",

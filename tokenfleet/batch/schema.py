@@ -218,6 +218,17 @@ class LeasedRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class Outcome:
+    """A leased request's end, for complete_many(): accepted only under `epoch`."""
+
+    batch_id: str
+    idx: int
+    epoch: int
+    status: RequestStatus
+    result_json: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class ResultRow:
     """One request's outcome; `result` is None for canceled and expired requests."""
 

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Connection,
     Text,
     and_,
+    bindparam,
     case,
     create_engine,
     delete,
@@ -45,6 +46,7 @@ from tokenfleet.batch.schema import (
     LeasedRequest,
     NewBatch,
     NewRequest,
+    Outcome,
     RequestStatus,
     ResultRow,
     batch_requests,
@@ -470,6 +472,43 @@ class BatchStore:
                     )
                 ).rowcount
             )
+
+    def complete_many(self, outcomes: Sequence[Outcome], now: float) -> int:
+        """complete() for many requests in one transaction and one prepared statement (the
+        dispatcher's group commit); returns how many were accepted."""
+        if not outcomes:
+            return 0
+        for o in outcomes:
+            if o.status not in _FINAL_BY_COMPLETE:
+                raise ValueError(f"complete() takes one of {_FINAL_BY_COMPLETE}, got {o.status!r}")
+        statement = (
+            update(batch_requests)
+            .where(
+                _r.batch_id == bindparam("b_batch_id"),
+                _r.idx == bindparam("b_idx"),
+                _r.status == "leased",
+                _r.lease_epoch == bindparam("b_epoch"),
+            )
+            .values(
+                status=bindparam("b_status"),
+                result=bindparam("b_result"),
+                finished_at=now,
+                lease_owner=None,
+                lease_expires_at=None,
+            )
+        )
+        rows = [
+            {
+                "b_batch_id": o.batch_id,
+                "b_idx": o.idx,
+                "b_epoch": o.epoch,
+                "b_status": o.status,
+                "b_result": o.result_json,
+            }
+            for o in outcomes
+        ]
+        with self.engine.begin() as conn:
+            return int(conn.execute(statement, rows).rowcount)
 
     def release(
         self,

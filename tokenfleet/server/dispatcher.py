@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from tokenfleet.batch.schema import LeasedRequest
+from tokenfleet.batch.schema import LeasedRequest, Outcome
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.server.errors import APIError
 
@@ -48,6 +48,7 @@ class DispatcherConfig:
     maintenance_s: float = 1.0  # expiry, ending batches, dead leases
     archive_s: float = 3600.0  # how often to archive old batches
     retention_s: float = 29 * 24 * 3600.0  # results kept this long after a batch ends
+    commit_s: float = 0.02  # results wait at most this long to be committed together
 
 
 class BatchDispatcher:
@@ -73,6 +74,10 @@ class BatchDispatcher:
         self._leases: dict[tuple[str, int], int] = {}  # (batch_id, idx) -> epoch
         self._canceling: set[str] = set()  # batches whose running requests are aborted
         self._wake = asyncio.Event()
+        # Group commit: results finished within commit_s share one transaction. Each still
+        # counts only once committed; a request's slot frees when its commit is done.
+        self._outcomes: list[tuple[Outcome, asyncio.Future[bool]]] = []
+        self._commit_task: asyncio.Task[None] | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._last_archive = 0.0
         self._last_renew = 0.0
@@ -94,6 +99,8 @@ class BatchDispatcher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self._commit()  # results already in hand are kept
         # What was running goes back to the queue for the next gateway (or this one again).
         with contextlib.suppress(Exception):
             await self.db(self.store.requeue_owner, self.config.owner, self.clock())
@@ -213,22 +220,38 @@ class BatchDispatcher:
             self._wake.set()
 
     async def _complete(self, request: LeasedRequest, status: str, result: str | None) -> None:
-        accepted = await self.db(
-            self.store.complete,
-            request.batch_id,
-            request.idx,
-            request.epoch,
-            status,
-            result,
-            self.clock(),
-        )
-        if not accepted:
+        outcome = Outcome(request.batch_id, request.idx, request.epoch, status, result)  # type: ignore[arg-type]
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._outcomes.append((outcome, done))
+        if self._commit_task is None or self._commit_task.done():
+            self._commit_task = asyncio.create_task(self._commit_soon())
+        await done
+
+    async def _commit_soon(self) -> None:
+        await asyncio.sleep(self.config.commit_s)
+        await self._commit()
+
+    async def _commit(self) -> None:
+        batch, self._outcomes = self._outcomes, []
+        if not batch:
+            return
+        try:
+            outcomes = [o for o, _ in batch]
+            accepted = await self.db(self.store.complete_many, outcomes, self.clock())
+        except Exception as exc:
+            for _, done in batch:
+                if not done.done():
+                    done.set_exception(exc)
+            raise
+        if accepted < len(batch):
             logger.info(
-                "result of %s/%d under epoch %d refused (the lease moved on)",
-                request.batch_id,
-                request.idx,
-                request.epoch,
+                "%d of %d results refused: their leases had moved on (requeued or expired)",
+                len(batch) - accepted,
+                len(batch),
             )
+        for _, done in batch:
+            if not done.done():
+                done.set_result(True)
 
 
 class ResultFormats:
