@@ -47,7 +47,7 @@ class DispatcherConfig:
     poll_s: float = 0.05  # how often to look for work when there was none
     maintenance_s: float = 1.0  # expiry, ending batches, dead leases
     archive_s: float = 3600.0  # how often to archive old batches
-    retention_s: float = 29 * 24 * 3600.0  # results kept this long after a batch ends
+    retention_s: float = 29 * 24 * 3600.0  # results kept this long after a batch is created
     commit_s: float = 0.02  # results wait at most this long to be committed together
 
 
@@ -61,6 +61,7 @@ class BatchDispatcher:
         *,
         ready: Callable[[], bool] = lambda: True,
         clock: Callable[[], float] = time.time,
+        on_finished: Callable[[list[str]], None] = lambda batch_ids: None,
     ) -> None:
         self.store = store
         self.config = config
@@ -68,6 +69,8 @@ class BatchDispatcher:
         self.results = results
         self.ready = ready  # lease only while the engine can take work
         self.clock = clock
+        # Told the ids of batches that just ended (here or in a cancel route); must not block.
+        self.on_finished = on_finished
         # One thread: the store's calls from this gateway never contend with each other.
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -168,8 +171,10 @@ class BatchDispatcher:
             batch = await self.db(store.get_batch_any_owner, batch_id)
             if batch is not None and batch.state != "in_progress":
                 await self.cancel(batch_id)
-        await self.db(store.finish_batches, now)
-        if now - self._last_archive >= self.config.archive_s:
+        ended = await self.db(store.finish_batches, now)
+        if ended:
+            self.on_finished(ended)
+        if now - self._last_archive >= min(self.config.archive_s, self.config.retention_s / 4):
             await self.db(store.archive_batches, now, self.config.retention_s)
             self._last_archive = now
 
