@@ -158,15 +158,20 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _batch(args: argparse.Namespace) -> int:
     from tokenfleet import batch_client
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
     try:
         with batch_client.BatchClient(args.url, args.api_key or None) as client:
-            if args.batch_command == "submit":
-                batch_id = client.submit(args.file, idempotency_key=args.idempotency_key)
-                print(batch_id, flush=True)
-                if args.wait:
-                    print(client.wait(batch_id).describe())
-            elif args.batch_command == "status":
-                print((client.wait(args.id) if args.wait else client.status(args.id)).describe())
+            if args.batch_command in ("submit", "status"):
+                if args.batch_command == "submit":
+                    batch_id = client.submit(args.file, idempotency_key=args.idempotency_key)
+                    print(batch_id, flush=True)
+                else:
+                    batch_id = args.id
+                status = client.wait(batch_id) if args.wait else client.status(batch_id)
+                if status.failed:  # an OpenAI batch is refused as a whole after its creation
+                    raise batch_client.BatchError(status.describe())
+                if args.wait or args.batch_command == "status":
+                    print(status.describe())
             else:
                 if args.wait:
                     client.wait(args.id)

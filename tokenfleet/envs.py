@@ -18,6 +18,7 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, str]] = {
     "TOKENFLEET_HOST": ("127.0.0.1", "address `tokenfleet serve` listens on"),
     "TOKENFLEET_PORT": ("8000", "port `tokenfleet serve` listens on"),
     "TOKENFLEET_API_KEY": ("", "an API key callers must send (x-api-key or Bearer)"),
+    "TOKENFLEET_URL": ("http://127.0.0.1:8000", "the server `tokenfleet batch` calls"),
     "TOKENFLEET_API_KEYS_FILE": ("", "a file of API keys, one per line"),
     "TOKENFLEET_MODEL": ("", "a Hugging Face model folder (default: the bundled model)"),
     "TOKENFLEET_DATA_DIR": (
