@@ -70,6 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
                 data_dir=args.data_dir,
                 database_url=args.database_url or None,
                 gateway_id=args.gateway_id or f"{socket.gethostname()}:{args.port}",
+                max_batch_requests=args.max_batch_requests,
+                max_batch_bytes=args.max_batch_bytes,
                 batch_expiry_s=args.batch_expiry,
                 lease_s=args.lease_seconds,
             ),
@@ -149,6 +151,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--gateway-id",
         default=None,
         help="this gateway's name among those sharing a store (default: host:port)",
+    )
+    add("--max-batch-requests", type=int, default=100_000, help="requests per batch at most")
+    add(
+        "--max-batch-bytes",
+        type=int,
+        default=256 * 2**20,
+        help="batch body / input file limit (413 above)",
     )
     add("--batch-expiry", type=float, default=24 * 3600.0, help="seconds a batch may take")
     add("--lease-seconds", type=float, default=120.0, help="batch request lease, renewed")

@@ -27,6 +27,7 @@ from tokenfleet.server.batch_state import BatchState
 from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
 from tokenfleet.server.errors import APIError, error_response, is_anthropic_route, request_id
 from tokenfleet.server.metrics import Metrics
+from tokenfleet.server.openai_result_files import ResultFiles
 from tokenfleet.server.service import GenerationService
 from tokenfleet.server.settings import BatchConfig, ServeConfig
 from tokenfleet.tokenizer import Tokenizer
@@ -197,6 +198,7 @@ async def _start_batches(
         runners,
         ResultFormats(),
         ready=client.is_healthy,
+        on_finished=ResultFiles(store).register_soon,  # OpenAI batches' output/error files
     )
     await dispatcher.start()
     return BatchState(config, store, dispatcher)
