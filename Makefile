@@ -10,7 +10,7 @@ MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_pa
 	tokenfleet/request.py tokenfleet/request_queue.py tokenfleet/block_pool.py \
 	tokenfleet/kv_cache.py tokenfleet/scheduler.py tokenfleet/scheduler_output.py \
 	tokenfleet/outputs.py tokenfleet/envs.py tokenfleet/models/config.py \
-	tokenfleet/detokenizer.py tokenfleet/fixed_runner.py tokenfleet/batch/__init__.py tokenfleet/batch/schema.py \
+	tokenfleet/detokenizer.py tokenfleet/fixed_runner.py tokenfleet/batch_client.py tokenfleet/batch/__init__.py tokenfleet/batch/schema.py \
 	tokenfleet/batch/store.py
 
 .PHONY: install test lint prepare serve clean

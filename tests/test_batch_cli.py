@@ -17,7 +17,6 @@ import pytest
 from live_server import MODEL, LiveServer, live_server
 
 from tokenfleet.batch_client import BatchError, anthropic_body, detect_format
-from tokenfleet.server import openai_batches
 
 PROMPTS = {
     "two-plus-two": "What is 2+2?",
@@ -25,9 +24,6 @@ PROMPTS = {
     "hello": "Say hello.",
 }
 PARAMS = {"model": MODEL, "max_tokens": 8, "temperature": 0}
-NO_OPENAI_ROUTES = pytest.mark.skipif(
-    not openai_batches.router.routes, reason="no OpenAI batch routes yet"
-)
 
 
 def _messages(prompt: str) -> list[dict[str, str]]:
@@ -134,7 +130,6 @@ def test_anthropic_batch_answers_each_custom_id_as_the_messages_api_does(
 
 
 @pytest.mark.slow
-@NO_OPENAI_ROUTES
 def test_openai_batch_answers_each_custom_id_as_chat_completions_does(
     server: LiveServer, tmp_path: Path
 ) -> None:
@@ -167,7 +162,6 @@ def test_duplicate_custom_id_is_refused_naming_the_request_and_its_line(
 
 
 @pytest.mark.slow
-@NO_OPENAI_ROUTES
 def test_duplicate_custom_id_in_an_openai_file_fails_the_batch_naming_its_line(
     server: LiveServer, tmp_path: Path
 ) -> None:

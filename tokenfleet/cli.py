@@ -74,6 +74,7 @@ def _serve(args: argparse.Namespace) -> int:
                 max_batch_bytes=args.max_batch_bytes,
                 batch_expiry_s=args.batch_expiry,
                 lease_s=args.lease_seconds,
+                retention_s=args.batch_retention,
             ),
         )
     except ValueError as exc:
@@ -135,6 +136,12 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     add("--max-num-seqs", type=int, default=64, help="sequences per step")
+    add(
+        "--batch-retention",
+        type=float,
+        default=29 * 24 * 3600.0,
+        help="seconds a batch's results are kept after it was created (default 29 days)",
+    )
     add(
         "--runner",
         choices=("model", "fixed"),
