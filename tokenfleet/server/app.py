@@ -95,7 +95,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.state.service = GenerationService(client, Tokenizer(folder), config, metrics)
         app.state.started = int(time.time())
         await client.start()
-        batches = await _start_batches(config.batch, app.state.service, client)
+        batches = await _start_batches(config.batch, app.state.service, client, metrics)
         app.state.batches = batches
         # Everything loaded so far lives as long as the server: keep the collector from
         # walking it again on every full collection (a pause in every stream).
@@ -181,7 +181,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
 
 async def _start_batches(
-    config: BatchConfig, service: GenerationService, client: AsyncEngineClient
+    config: BatchConfig, service: GenerationService, client: AsyncEngineClient, metrics: Metrics
 ) -> BatchState:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     store = BatchStore(config.url)
@@ -198,6 +198,7 @@ async def _start_batches(
         runners,
         ResultFormats(),
         ready=client.is_healthy,
+        counted=lambda outcome, n: metrics.batch_results.labels(outcome=outcome).inc(n),
         on_finished=ResultFiles(store).register_soon,  # OpenAI batches' output/error files
     )
     await dispatcher.start()

@@ -60,6 +60,7 @@ class BatchDispatcher:
         results: ResultFormats,
         *,
         ready: Callable[[], bool] = lambda: True,
+        counted: Callable[[str, int], None] = lambda outcome, n: None,
         clock: Callable[[], float] = time.time,
         on_finished: Callable[[list[str]], None] = lambda batch_ids: None,
     ) -> None:
@@ -68,6 +69,7 @@ class BatchDispatcher:
         self.runners = runners
         self.results = results
         self.ready = ready  # lease only while the engine can take work
+        self.counted = counted  # (outcome, how many): committed results, for /metrics
         self.clock = clock
         # Told the ids of batches that just ended (here or in a cancel route); must not block.
         self.on_finished = on_finished
@@ -204,6 +206,7 @@ class BatchDispatcher:
                         error,
                         self.config.max_attempts,
                     )
+                    self.counted("released", 1)
                     return
                 error = self.results.error(request.api, request.endpoint, exc)
                 await self._complete(request, "errored", error)
@@ -248,6 +251,9 @@ class BatchDispatcher:
                 if not done.done():
                     done.set_exception(exc)
             raise
+        if accepted == len(batch):  # the usual case; otherwise the refused are not counted
+            for status in {o.status for o, _ in batch}:
+                self.counted(status, sum(o.status == status for o, _ in batch))
         if accepted < len(batch):
             logger.info(
                 "%d of %d results refused: their leases had moved on (requeued or expired)",

@@ -79,4 +79,11 @@ class Metrics:
         self.generation_tokens = Counter(
             "tokenfleet_generation_tokens", "tokens generated", registry=self.registry
         )
+        self.batch_results = Counter(
+            "tokenfleet_batch_results",
+            "batch request outcomes this gateway committed (succeeded, errored, canceled) or "
+            "gave back after an engine failure (released)",
+            ("outcome",),
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(engine_stats))

@@ -1,0 +1,80 @@
+"""Two gateways sharing one real PostgreSQL store run one batch together, and no request
+runs twice: every request was leased exactly once, and the two gateways' committed results
+add up to the batch. Both run the fixed-token runner (plumbing at a scale that makes the
+two dispatchers contend for rows; the outputs do not matter)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from live_server import MODEL, LiveServer, live_server
+from sqlalchemy import create_engine, text
+
+from tokenfleet.batch.store import engine_url
+
+pytestmark = pytest.mark.slow
+pytest_plugins = ("postgres",)
+
+NUM_REQUESTS = 3000
+
+
+def succeeded_count(server: LiveServer) -> float:
+    text_ = httpx.get(f"{server.url}/metrics", timeout=5).text
+    for line in text_.splitlines():
+        if line.startswith('tokenfleet_batch_results_total{outcome="succeeded"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_fixed_runner_two_gateways_on_one_postgresql_never_run_a_request_twice(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    common = ["--runner", "fixed", "--database-url", postgres_url, "--max-num-seqs", "64"]
+    with (
+        live_server(tmp_path, *common, "--gateway-id", "gateway-a") as a,
+        live_server(tmp_path, *common, "--gateway-id", "gateway-b") as b,
+    ):
+        body = {
+            "requests": [
+                {
+                    "custom_id": f"r{i}",
+                    "params": {
+                        "model": MODEL,
+                        "max_tokens": 8,
+                        "messages": [{"role": "user", "content": f"Item {i}"}],
+                    },
+                }
+                for i in range(NUM_REQUESTS)
+            ]
+        }
+        created = httpx.post(f"{a.url}/v1/messages/batches", json=body, timeout=120)
+        assert created.status_code == 200, created.text
+        batch_id = created.json()["id"]
+        deadline = time.monotonic() + 300
+        while True:
+            batch = httpx.get(f"{b.url}/v1/messages/batches/{batch_id}").json()  # B sees it too
+            if batch["processing_status"] == "ended":
+                break
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.5)
+        assert batch["request_counts"]["succeeded"] == NUM_REQUESTS
+
+        lines = httpx.get(f"{a.url}/v1/messages/batches/{batch_id}/results").text.splitlines()
+        assert sorted(json.loads(line)["custom_id"] for line in lines) == sorted(
+            f"r{i}" for i in range(NUM_REQUESTS)
+        )
+        by_a, by_b = succeeded_count(a), succeeded_count(b)
+        assert by_a > 0 and by_b > 0, (by_a, by_b)  # both gateways did part of the work
+        assert by_a + by_b == NUM_REQUESTS  # and no request was run and committed twice
+
+    engine = create_engine(engine_url(postgres_url))
+    with engine.connect() as conn:
+        attempts = conn.execute(
+            text("SELECT attempts, count(*) FROM batch_requests GROUP BY attempts")
+        ).all()
+    engine.dispose()
+    assert attempts == [(1, NUM_REQUESTS)]  # each request leased exactly once
