@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfleet.reserve import check_reserve_settings
+
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch")
 
@@ -34,16 +36,33 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """The per-step budget: at most this many tokens and this many sequences."""
+    """The per-step budget: at most this many tokens and this many sequences.
+
+    The interactive reserve (see `reserve.py`): batch requests leave at least
+    peak interactive blocks over the last `interactive_reserve_window_s` seconds times
+    `interactive_reserve_margin` free, clamped to [`interactive_reserve_min_blocks`,
+    `interactive_reserve_max_fraction` of the cache]. A max fraction of 0 turns it off.
+    """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 8192
+    interactive_reserve_window_s: float = 30.0
+    interactive_reserve_margin: float = 1.2
+    interactive_reserve_min_blocks: int = 0
+    interactive_reserve_max_fraction: float = 0.2
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        check_reserve_settings(
+            window_s=self.interactive_reserve_window_s,
+            margin=self.interactive_reserve_margin,
+            min_blocks=self.interactive_reserve_min_blocks,
+            max_fraction=self.interactive_reserve_max_fraction,
+            prefix="interactive_reserve_",
+        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,11 @@ import enum
 
 from tokenfleet.sampling_params import SamplingParams
 
+# Priority classes: lower is more urgent. The gateway sends interactive traffic as 0 and
+# batch work as 1; the scheduler treats every class above PRIORITY_INTERACTIVE as batch.
+PRIORITY_INTERACTIVE = 0
+PRIORITY_BATCH = 1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -63,7 +68,7 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.eos_token_id = eos_token_id
-        # Lower value = more important. The priority-class issue fills this in.
+        # Lower value = more urgent: PRIORITY_INTERACTIVE or PRIORITY_BATCH.
         self.priority = priority
         self.deadline = deadline
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -76,6 +81,10 @@ class Request:
         self.num_cached_tokens: int | None = None
         # Chained hashes of the full blocks of all_token_ids, filled by the KV manager.
         self.block_hashes: list[int] = []
+
+    @property
+    def is_interactive(self) -> bool:
+        return self.priority <= PRIORITY_INTERACTIVE
 
     @property
     def num_tokens(self) -> int:

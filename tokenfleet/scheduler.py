@@ -2,33 +2,84 @@
 
 One rule covers prefill, chunked prefill and decode: a request is given tokens until its
 num_computed_tokens catches up with num_tokens, within max_num_batched_tokens and
-max_num_seqs. Running requests are served first, in order, so a long prompt arriving
-never stalls decodes; when blocks run out the victim (the newest request) is preempted
-and recomputed later, mostly from its still-cached prefix. Time is passed in.
+max_num_seqs. Requests come in priority classes (lower `priority` is more urgent:
+interactive 0, batch 1) and each step serves them class by class, most urgent first:
+
+    for each class:  its running requests (in order)  ->  its waiting requests (FCFS)
+
+Batch classes also stay within the step's `batch_token_budget` (the harvest budget)
+and leave the interactive reserve free (`reserve.py`); a batch request held back by the
+reserve alone waits with its blocks.
+
+When blocks or sequence slots run out, the victim is the least urgent class first, the
+newest within it, and never more urgent than the request that needs the room: a waiting
+interactive request preempts running batch ones, a running request the not-yet-served
+ones of its class (itself included) and less urgent ones, and a batch request never
+preempts an interactive one, so the classes cannot ping-pong. A preempted request goes
+to the front of its class's queue and is later recomputed, mostly from its still-cached
+prefix. Time is passed in.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+from tokenfleet.block_pool import KVCacheBlock
 from tokenfleet.config import SchedulerConfig
 from tokenfleet.kv_cache import KVCacheManager
 from tokenfleet.outputs import EngineCoreOutput, ModelRunnerOutput
-from tokenfleet.request import Request, RequestStatus
-from tokenfleet.request_queue import FCFSRequestQueue
+from tokenfleet.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request, RequestStatus
+from tokenfleet.request_queue import PriorityRequestQueue
+from tokenfleet.reserve import InteractiveReserve
 from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has handed out so far."""
+
+    budget: int
+    batch_budget: int | None
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def tokens_for(self, request: Request) -> int:
+        if request.is_interactive or self.batch_budget is None:
+            return self.budget
+        return min(self.budget, self.batch_budget)
+
+    def give(self, request: Request, num_tokens: int) -> None:
+        self.num_scheduled[request.req_id] = num_tokens
+        self.budget -= num_tokens
+        if not request.is_interactive and self.batch_budget is not None:
+            self.batch_budget -= num_tokens
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        self.waiting = FCFSRequestQueue()
+        self.waiting = PriorityRequestQueue()
+        # Sorted by priority (stable): each class in the order it was admitted.
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
+        self.reserve = InteractiveReserve(
+            kv_cache_manager.pool.num_blocks,
+            window_s=config.interactive_reserve_window_s,
+            margin=config.interactive_reserve_margin,
+            min_blocks=config.interactive_reserve_min_blocks,
+            max_fraction=config.interactive_reserve_max_fraction,
+        )
+        # For the engine's stats: free blocks batch had to leave in the latest step, and
+        # preemptions per priority class since start.
+        self.reserve_blocks = 0
+        self.num_preemptions_by_priority = {PRIORITY_INTERACTIVE: 0, PRIORITY_BATCH: 0}
         self.num_preemptions = 0
         self.num_steps = 0
 
@@ -63,56 +114,149 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------
 
-    def schedule(self, now: float) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        preempted: list[Request] = []
+    def schedule(self, now: float, *, batch_token_budget: int | None = None) -> SchedulerOutput:
+        """Plan one step. `batch_token_budget` caps the tokens of all batch requests in
+        it (the harvest budget); interactive requests are never held to it."""
+        if batch_token_budget is not None and batch_token_budget < 0:
+            raise ValueError(f"batch_token_budget must be at least 0, got {batch_token_budget}")
+        self.reserve_blocks = self.reserve.blocks(now)
+        plan = _StepPlan(self.config.max_num_batched_tokens, batch_token_budget)
+        for priority in sorted({r.priority for r in self.running} | set(self.waiting.priorities)):
+            self._schedule_running(plan, priority)
+            # Not in a step that preempted one of this class: the blocks freed go to the
+            # running requests first, and the preempted one must not come straight back.
+            if all(r.priority != priority for r in plan.preempted):
+                self._schedule_waiting(plan, priority)
+        scheduled = self._commit(plan)
+        self.reserve.observe(now, self._num_interactive_blocks())
+        finished = frozenset(self._finished_req_ids)
+        self._finished_req_ids.clear()
+        self.num_steps += 1
+        return SchedulerOutput(
+            scheduled=scheduled,
+            finished_req_ids=finished,
+            preempted_req_ids=tuple(r.req_id for r in plan.preempted),
+        )
 
-        # 1. Running requests, in order; preempt from the back when blocks run out.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
-                victim = self._pick_victim(self.running[i:])
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
+    def _schedule_running(self, plan: _StepPlan, priority: int) -> None:
+        for request in [r for r in self.running if r.priority == priority]:
             if request.status != RequestStatus.RUNNING:
-                continue  # it was its own victim; the list shifted onto the next one
-            num_scheduled[request.req_id] = num_new
-            budget -= num_new
-            i += 1
+                continue  # preempted for one served before it in this loop
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens, plan.tokens_for(request)
+            )
+            if num_new == 0:
+                return
+            if self._make_room_to_grow(plan, request, num_new):
+                plan.give(request, num_new)
 
-        # 2. Waiting requests, while budget, sequence slots and blocks last. Not in a
-        #    step that had to preempt: the freed blocks go to the running ones first.
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
+    def _schedule_waiting(self, plan: _StepPlan, priority: int) -> None:
+        # Only while the head of the whole queue is of this class: a request never gets
+        # in ahead of a more urgent one still waiting.
+        while self.waiting and self.waiting.peek().priority == priority:
             request = self.waiting.peek()
+            num_budget = plan.tokens_for(request)
+            if num_budget == 0:
+                return
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
-                break
+            num_new = min(request.num_tokens - num_cached, num_budget)
+            if not self._make_room_to_admit(plan, request, num_new, computed_blocks):
+                return
+            self.kv.allocate_slots(request, num_new, computed_blocks)
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
-            self.running.append(request)
-            num_scheduled[request.req_id] = num_new
-            budget -= num_new
+            # At the end of its class: running stays sorted by priority.
+            at = bisect.bisect_right(self.running, priority, key=lambda r: r.priority)
+            self.running.insert(at, request)
+            plan.give(request, num_new)
 
+    def _make_room_to_grow(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
+        """Allocate for a running request, preempting others (or itself) when short."""
+        while not self._fits(request, num_new):
+            victim = self._pick_victim(plan, request, admitting=False)
+            assert victim is not None  # the request itself is always a candidate
+            if victim is request and self.kv.can_allocate(request, num_new):
+                return False  # only the reserve holds it back: keep its blocks and wait
+            self._preempt(plan, victim)
+            if victim is request:
+                return False
+        self.kv.allocate_slots(request, num_new)
+        return True
+
+    def _make_room_to_admit(
+        self,
+        plan: _StepPlan,
+        request: Request,
+        num_new: int,
+        computed_blocks: Sequence[KVCacheBlock],
+    ) -> bool:
+        """Whether a sequence slot and the blocks are there, preempting less urgent
+        running requests for them (so only an interactive request preempts batch)."""
+        while not (
+            len(self.running) < self.config.max_num_seqs
+            and self._fits(request, num_new, computed_blocks)
+        ):
+            victim = self._pick_victim(plan, request, admitting=True)
+            if victim is None:
+                return False
+            self._preempt(plan, victim)
+        return True
+
+    def _fits(
+        self, request: Request, num_new: int, computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> bool:
+        """Whether the blocks are free, leaving the reserve free too for a batch request.
+
+        The reserve is waived for a request with nothing else running beside it: no one
+        else would ever free blocks for it. Asking for reserve * block_size more tokens
+        is asking for exactly `reserve` more blocks.
+        """
+        alone = all(r is request for r in self.running)
+        keep_free = 0 if request.is_interactive or alone else self.reserve_blocks
+        num_tokens = num_new + keep_free * self.kv.block_size
+        return self.kv.can_allocate(request, num_tokens, computed_blocks)
+
+    def _pick_victim(self, plan: _StepPlan, request: Request, *, admitting: bool) -> Request | None:
+        """Least urgent class first, newest within it; never a more urgent request.
+
+        Candidates are the running requests of less urgent classes and, for a running
+        request, those of its own class not yet served this step (itself included).
+        """
+        candidates = [
+            r
+            for r in self.running
+            if r.priority > request.priority
+            or (
+                not admitting
+                and r.priority == request.priority
+                and r.req_id not in plan.num_scheduled
+            )
+        ]
+        return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
+
+    def _preempt(self, plan: _StepPlan, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        by_priority = self.num_preemptions_by_priority
+        by_priority[request.priority] = by_priority.get(request.priority, 0) + 1
+        self.waiting.prepend(request)
+        plan.preempted.append(request)
+        logger.debug("preempted %s (priority %d)", request.req_id, request.priority)
+
+    def _commit(self, plan: _StepPlan) -> list[ScheduledRequest]:
+        """The planned tokens, in running order, counted as computed from now on."""
         scheduled = []
         for request in self.running:
-            if request.req_id not in num_scheduled:
+            num_new = plan.num_scheduled.get(request.req_id)
+            if num_new is None:
                 continue
-            num_new = num_scheduled[request.req_id]
             start = request.num_computed_tokens
             scheduled.append(
                 ScheduledRequest(
@@ -126,28 +270,18 @@ class Scheduler:
             )
             # Counted as computed now: the step is committed once planned.
             request.num_computed_tokens += num_new
+        return scheduled
 
-        finished = frozenset(self._finished_req_ids)
-        self._finished_req_ids.clear()
-        self.num_steps += 1
-        return SchedulerOutput(
-            scheduled=scheduled,
-            finished_req_ids=finished,
-            preempted_req_ids=tuple(r.req_id for r in preempted),
+    def _num_interactive_blocks(self) -> int:
+        """Blocks held by running interactive requests (a shared block counts once)."""
+        return len(
+            {
+                block_id
+                for r in self.running
+                if r.is_interactive
+                for block_id in self.kv.get_block_ids(r.req_id)
+            }
         )
-
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        """The seam for priority classes: least important, then newest, goes first."""
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time))
-
-    def _preempt(self, request: Request) -> None:
-        self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.prepend(request)
-        logger.debug("preempted %s", request.req_id)
 
     # -- results -------------------------------------------------------------------
 
