@@ -9,6 +9,9 @@ engine process's scheduler and KV manager, and the results download.
 
     .venv/bin/python bench/batch_scale.py                        # 100,000 requests
     .venv/bin/python bench/batch_scale.py --requests 5000 --out /tmp/bench   # quick check
+    # a 256 MB body: 10,000 requests of ~5,000 prompt tokens
+    .venv/bin/python bench/batch_scale.py --requests 10000 --pad-words 5100 --max-tokens 1 \
+        --max-num-batched-tokens 8192 --out bench/results/batch_scale_256mb
 
 Reports the accept time (POST until the batch object came back), the end-to-end time
 (create until `ended`), results lines and distinct custom_ids, and the gateway's and
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--max-tokens", type=int, default=4, help="output tokens per request")
     add("--pad-words", type=int, default=0, help="extra words per prompt (a larger body)")
     add("--max-num-seqs", type=int, default=256, help="engine sequence slots (= batch depth)")
+    add("--max-num-batched-tokens", type=int, default=512, help="engine token budget per step")
     add("--database-url", default=None, help="postgresql://... (default: SQLite)")
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         argv_serve = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
         argv_serve += ["--runner", "fixed", "--max-num-seqs", str(args.max_num_seqs)]
+        argv_serve += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         argv_serve += ["--data-dir", str(Path(tmp) / "data")]
         if args.database_url:
             argv_serve += ["--database-url", args.database_url]
