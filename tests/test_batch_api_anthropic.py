@@ -33,6 +33,7 @@ PARAMS: list[dict[str, Any]] = [
     },
 ]
 KEY_A, KEY_B = "key-a-secret", "key-b-secret"
+MAX_BATCH_BYTES = 64 * 1024  # the module's server: small, so that 413 is cheap to reach
 
 
 def params(p: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +74,8 @@ def wait_ended(client: anthropic.Anthropic, batch_id: str, timeout: float = 180)
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     # Two keys: every test calls with KEY_A; the isolation test also with KEY_B.
     tmp = tmp_path_factory.mktemp("batches")
-    with live_server(tmp, "--api-key", KEY_A, "--api-key", KEY_B) as s:
+    limit = ["--max-batch-bytes", str(MAX_BATCH_BYTES)]
+    with live_server(tmp, "--api-key", KEY_A, "--api-key", KEY_B, *limit) as s:
         yield s
 
 
@@ -295,6 +297,40 @@ def test_malformed_json_body_is_a_400(server: LiveServer) -> None:
     )
     assert response.status_code == 400
     assert "malformed JSON" in response.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_body_over_the_batch_size_limit_is_a_413_and_nothing_is_accepted(
+    server: LiveServer,
+) -> None:
+    headers = {"x-api-key": KEY_A}
+    before = batch_ids(server, headers)
+    padding = "x" * 1000
+    body = {"requests": requests(80, prefix=f"big{padding[:40]}")}
+    for item in body["requests"]:
+        item["params"]["metadata"] = {"user_id": padding}
+    data = json.dumps(body).encode()
+    assert len(data) > MAX_BATCH_BYTES
+    response = httpx.post(
+        f"{server.url}/v1/messages/batches",
+        content=data,
+        headers={**headers, "content-type": "application/json"},
+    )
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["type"] == "request_too_large" and str(MAX_BATCH_BYTES) in error["message"]
+
+    def chunks() -> Iterator[bytes]:  # no content-length: the limit holds while streaming
+        yield data[: len(data) // 2]
+        yield data[len(data) // 2 :]
+
+    streamed = httpx.post(
+        f"{server.url}/v1/messages/batches",
+        content=chunks(),
+        headers={**headers, "content-type": "application/json"},
+    )
+    assert streamed.status_code == 413
+    assert batch_ids(server, headers) == before
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
