@@ -31,13 +31,17 @@ from tokenfleet.outputs import (
 )
 from tokenfleet.request import Request
 from tokenfleet.scheduler import Scheduler
+from tokenfleet.step_model import StepModelConfig, StepTimeModel, step_features
+from tokenfleet.step_profile import profile_step_time
 from tokenfleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, *, step_model_config: StepModelConfig | None = None
+    ) -> None:
         self.config = config
         self.model_folder = resolve_model_folder(config.model)
         model_config = ModelConfig.from_folder(self.model_folder)
@@ -78,7 +82,33 @@ class EngineCore:
             self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
         )
         self._pending: list[EngineCoreOutput] = []
+        # Predicts a step's runner time (the harvest budget, admission control); profiled
+        # now, refitted from every step. The fixed runner does no work worth modelling.
+        self.step_model = StepTimeModel(step_model_config)
+        if self.step_model.config.profile and isinstance(self.runner, ModelRunner):
+            self.profile_step_time()
         self.last_step_time = time.monotonic()  # the heartbeat the gateway's health reads
+
+    def profile_step_time(self) -> None:
+        """Time synthetic steps on the runner (blocks borrowed from the pool and given
+        back) and keep them as the step-time model's prior. Run at start-up."""
+        began = time.perf_counter()
+        samples = profile_step_time(
+            self.runner.execute,
+            self.kv.pool,
+            self.kv.block_size,
+            max_num_batched_tokens=self.scheduler.config.max_num_batched_tokens,
+            max_num_seqs=self.scheduler.config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_seconds=self.step_model.config.profile_max_s,
+        )
+        self.step_model.set_prior(samples)
+        logger.info(
+            "step-time profile: %d steps in %.2f s, coefficients %s",
+            len(samples),
+            time.perf_counter() - began,
+            {k: f"{v:.3g}" for k, v in self.step_model.coefficients.items()},
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Validate and queue a request; raises InvalidRequestError naming value and limit."""
@@ -126,13 +156,18 @@ class EngineCore:
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
         scheduler_output = self.scheduler.schedule(now)
+        features = step_features(scheduler_output)
+        began = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
+        if not scheduler_output.is_empty:
+            self.step_model.observe(features, time.perf_counter() - began)
         outputs = self._pending + self.scheduler.update(scheduler_output, runner_output)
         self._pending = []
         self.last_step_time = time.monotonic()
         return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
 
     def stats(self) -> SchedulerStats:
+        errors = self.step_model.prediction_error_quantiles((0.5, 0.99))
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -142,4 +177,7 @@ class EngineCore:
             num_prefix_hit_tokens=self.kv.num_prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.scheduler.num_steps,
+            step_time_error_p50=None if errors is None else errors[0],
+            step_time_error_p99=None if errors is None else errors[1],
+            step_time_coefficients=self.step_model.coefficients,
         )

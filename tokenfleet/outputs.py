@@ -51,6 +51,12 @@ class SchedulerStats(msgspec.Struct):
     num_prefix_hit_tokens: int
     num_preemptions: int
     num_steps: int
+    # The step-time model (step_model.py): quantiles of recent steps' relative prediction
+    # error |predicted - measured| / measured (None before any prediction), and its
+    # coefficients, seconds per unit of each term.
+    step_time_error_p50: float | None = None
+    step_time_error_p99: float | None = None
+    step_time_coefficients: dict[str, float] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct):

@@ -46,6 +46,33 @@ class _EngineCollector(Collector):
             "requests preempted since the engine started",
             value=stats.num_preemptions,
         )
+        yield from _step_model_gauges(stats)
+
+
+def _step_model_gauges(stats: SchedulerStats) -> Iterator[GaugeMetricFamily]:
+    """The step-time model (step_model.py): how far off its recent predictions were, and
+    its coefficients."""
+    error = GaugeMetricFamily(
+        "tokenfleet_step_time_prediction_error_ratio",
+        "relative error |predicted - measured| / measured of recent steps' predicted runner "
+        "time, by quantile",
+        labels=("quantile",),
+    )
+    for quantile, value in (
+        ("0.5", stats.step_time_error_p50),
+        ("0.99", stats.step_time_error_p99),
+    ):
+        if value is not None:
+            error.add_metric((quantile,), value)
+    yield error
+    coefficients = GaugeMetricFamily(
+        "tokenfleet_step_time_model_coefficient",
+        "step-time model coefficient: seconds per step (intercept) or per unit of the term",
+        labels=("term",),
+    )
+    for term, value in stats.step_time_coefficients.items():
+        coefficients.add_metric((term,), value)
+    yield coefficients
 
 
 class Metrics:
