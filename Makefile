@@ -11,7 +11,7 @@ MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_pa
 	tokenfleet/kv_cache.py tokenfleet/scheduler.py tokenfleet/reserve.py tokenfleet/scheduler_output.py \
 	tokenfleet/outputs.py tokenfleet/envs.py tokenfleet/models/config.py \
 	tokenfleet/detokenizer.py tokenfleet/fixed_runner.py tokenfleet/batch_client.py tokenfleet/batch/__init__.py tokenfleet/batch/schema.py \
-	tokenfleet/batch/store.py tokenfleet/step_model.py tokenfleet/step_profile.py \
+	tokenfleet/batch/store.py tokenfleet/step_model.py tokenfleet/step_profile.py tokenfleet/admission.py \
 	tokenfleet/loadgen/__init__.py tokenfleet/loadgen/workload.py tokenfleet/loadgen/client.py \
 	tokenfleet/loadgen/batch_job.py tokenfleet/loadgen/report.py tokenfleet/loadgen/run.py
 

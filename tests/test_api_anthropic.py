@@ -553,7 +553,8 @@ def test_overloaded(
         assert time.monotonic() - started < 5
         message = _check_error(response, 529, "overloaded_error")
         assert "overloaded" in message
-        # Nothing has run, so the predicted TTFT is 37 tokens at the assumed 1000 tokens/s.
+        # Nothing is ahead: the predicted TTFT is one short prefill step (37 tokens at the
+        # assumed 1000 tokens/s before the engine's first stats), under a second past target.
         assert response.headers["retry-after"] == "1"
         client = _client(srv, max_retries=0)
         with pytest.raises(anthropic.OverloadedError) as error:

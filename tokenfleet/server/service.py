@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from prometheus_client import Histogram
 
+from tokenfleet.admission import AdmissionControl, Verdict
 from tokenfleet.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
 from tokenfleet.errors import InvalidRequestError
@@ -27,6 +29,8 @@ T = TypeVar("T")
 
 # Priority classes as the engine's scheduler orders them (lower first).
 PRIORITIES = {"interactive": 0, "batch": 1}
+
+_ERROR_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16)
 
 
 class ClientDisconnected(Exception):
@@ -82,8 +86,16 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
-        self._pending_prefill_tokens = 0
-        self._prefill_tokens_per_s = config.initial_prefill_tokens_per_s
+        self.admission = AdmissionControl(config.ttft_target_s, config.initial_prefill_tokens_per_s)
+        # metrics.py is the engine's and the latency histograms' file; this one is admission's.
+        self.ttft_prediction_error = Histogram(
+            "tokenfleet_ttft_prediction_error_ratio",
+            "relative error |predicted - measured| / measured of admitted interactive "
+            "requests' predicted time to first token, by predictor (step_model or ema)",
+            ("predictor",),
+            buckets=_ERROR_BUCKETS,
+            registry=metrics.registry,
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -123,19 +135,30 @@ class GenerationService:
                 param=param,
             )
 
-    def admit(self, num_prompt_tokens: int) -> None:
-        """Refuse at once what could not get its first token within the TTFT target."""
+    def admit(self, num_prompt_tokens: int, priority: str = "interactive") -> None:
+        """Refuse at once an interactive request that could not get its first token within
+        the TTFT target (529 here, 429 at the OpenAI edge). Batch is never refused for load."""
         if not self.client.is_healthy():
             raise APIError(503, "engine_down", "the engine is not running; try again shortly")
-        predicted = (self._pending_prefill_tokens + num_prompt_tokens) / self._prefill_tokens_per_s
-        if predicted > self.config.ttft_target_s:
+        if priority == "batch":
+            return
+        verdict = self._predict(num_prompt_tokens)
+        if not verdict.admitted:
             raise APIError(
                 529,
                 "overloaded",
-                f"overloaded: the predicted time to first token ({predicted:.2f} s) exceeds "
-                f"the target ({self.config.ttft_target_s:.2f} s); retry later",
-                retry_after_s=max(1, round(predicted - self.config.ttft_target_s)),
+                f"overloaded: the predicted time to first token ({verdict.predicted_ttft_s:.2f} s)"
+                f" exceeds the target ({self.config.ttft_target_s:.2f} s); retry later",
+                retry_after_s=verdict.retry_after_s,
             )
+
+    def _predict(self, num_prompt_tokens: int) -> Verdict:
+        # The engine's own step-time model, from its latest step or heartbeat; none yet
+        # (starting, or a restarted engine) leaves admission to its EMA fallback.
+        stats = self.client.stats
+        coefficients = stats.step_time_coefficients if stats is not None else {}
+        budget = self.client.config.scheduler.max_num_batched_tokens
+        return self.admission.check(num_prompt_tokens, coefficients, budget)
 
     async def generate(
         self,
@@ -160,16 +183,17 @@ class GenerationService:
         start = last = time.monotonic()
         waiting_first = True
         num_output = 0
-        self._pending_prefill_tokens += num_prompt
+        interactive = priority == "interactive"
+        predicted = self._predict(num_prompt) if interactive else None
         self.metrics.prompt_tokens.inc(num_prompt)
+        self.admission.requests.add(request.req_id, num_prompt, interactive=interactive, now=start)
         try:
             async with contextlib.aclosing(self.client.generate(request)) as outputs:
                 async for out in outputs:
                     now = time.monotonic()
                     if waiting_first:
                         waiting_first = False
-                        self._pending_prefill_tokens -= num_prompt
-                        self._observe_first_token(num_prompt, now - start)
+                        self._observe_first_token(request.req_id, now, predicted)
                         self.metrics.ttft.labels(**labels).observe(now - start)
                     elif out.new_token_ids:
                         self.metrics.tpot.labels(**labels).observe(now - last)
@@ -200,11 +224,10 @@ class GenerationService:
         except InvalidRequestError as exc:
             raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
         finally:
-            if waiting_first:
-                self._pending_prefill_tokens -= num_prompt
+            self.admission.requests.remove(request.req_id)
 
-    def _observe_first_token(self, num_prompt: int, seconds: float) -> None:
-        # An exponential moving average of the engine's prefill speed, as seen from here.
-        if seconds > 0 and num_prompt >= 32:
-            rate = num_prompt / seconds
-            self._prefill_tokens_per_s = 0.8 * self._prefill_tokens_per_s + 0.2 * rate
+    def _observe_first_token(self, req_id: str, now: float, predicted: Verdict | None) -> None:
+        first = self.admission.first_token(req_id, now)
+        if first is not None and predicted is not None and first.ttft_s > 0:
+            error = abs(predicted.predicted_ttft_s - first.ttft_s) / first.ttft_s
+            self.ttft_prediction_error.labels(predicted.predictor).observe(error)

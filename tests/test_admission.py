@@ -1,0 +1,273 @@
+"""Admission control: the TTFT predictor on hand-set step-time coefficients, the refusal
+boundary and Retry-After, the in-flight bookkeeping, the EMA fallback, and the gateway's
+GenerationService wired to it (batch never refused for load)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from tokenfleet.admission import AdmissionControl, Decodes, InFlightRequests, predict_ttft
+from tokenfleet.config import EngineConfig
+from tokenfleet.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.server.errors import APIError
+from tokenfleet.server.metrics import Metrics
+from tokenfleet.server.service import GenerationService
+from tokenfleet.server.settings import ServeConfig
+from tokenfleet.tokenizer import Tokenizer
+
+# Powers of two, so that every sum below is exact in floating point.
+A, B, C, D, E = 2.0**-7, 2.0**-12, 2.0**-10, 2.0**-16, 2.0**-20
+COEF = {
+    "intercept": A,
+    "prefill_tokens": B,
+    "decode_seqs": C,
+    "kv_tokens_read": D,
+    "prefill_attention": E,
+}
+
+
+def _prefill(num_tokens: int, start: int) -> float:
+    """One prefill chunk's cost, without the step's intercept."""
+    context = start + num_tokens
+    return num_tokens * B + context * D + num_tokens * context * E
+
+
+# -- the predictor -----------------------------------------------------------------------
+
+
+def test_one_prompt_on_an_idle_engine_is_one_prefill_step() -> None:
+    assert predict_ttft(COEF, 512, 100) == A + 100 * B + 100 * D + 100 * 100 * E
+    # Exactly the budget: still one step.
+    assert predict_ttft(COEF, 512, 512) == A + _prefill(512, 0)
+
+
+def test_a_long_prompt_is_split_into_chunks_of_the_token_budget() -> None:
+    # 1200 tokens at 512 a step: 512 from 0, 512 from 512, 176 from 1024; each chunk
+    # attends to everything before it.
+    expected = (A + _prefill(512, 0)) + (A + _prefill(512, 512)) + (A + _prefill(176, 1024))
+    assert predict_ttft(COEF, 512, 1200) == expected
+
+
+def test_prompts_ahead_are_prefilled_first_and_then_ride_along_as_decodes() -> None:
+    # Step 1: the 300-token prompt whole, then 212 of the 400-token one.
+    step1 = A + _prefill(300, 0) + _prefill(212, 0)
+    # Step 2: the 300 one decodes (context 301) and takes a token of the budget; the rest
+    # of the 400 one (188 from 212), then the new prompt whole.
+    step2 = A + (C + 301 * D) + _prefill(188, 212) + _prefill(100, 0)
+    assert predict_ttft(COEF, 512, 100, [300, 400]) == step1 + step2
+
+
+def test_running_decodes_take_budget_first_and_batch_rides_in_what_is_left() -> None:
+    interactive, batch = Decodes(3, 3000), Decodes(2, 1000)
+    # Step 1: 3 interactive decodes leave 509 tokens for the 600-token prompt; nothing
+    # is left for the batch decodes.
+    step1 = A + (3 * C + 3000 * D) + _prefill(509, 0)
+    # Step 2: each interactive context grew by one; 91 tokens finish the prompt and the
+    # 2 batch decodes ride along in the 418 left.
+    step2 = A + (3 * C + 3003 * D) + _prefill(91, 509) + (2 * C + 1000 * D)
+    assert predict_ttft(COEF, 512, 600, (), interactive, batch) == step1 + step2
+
+
+def test_a_one_token_chunk_is_priced_as_the_decode_the_runner_makes_of_it() -> None:
+    # 513 tokens at 512 a step: the last token is a one-token query, so a decode.
+    expected = (A + _prefill(512, 0)) + (A + C + 513 * D)
+    assert predict_ttft(COEF, 512, 513) == expected
+
+
+def test_missing_terms_count_as_zero() -> None:
+    assert predict_ttft({"intercept": 0.25}, 512, 1200) == 0.75
+
+
+# -- the verdict ---------------------------------------------------------------------------
+
+# One second a step plus one per 512 prefill tokens.
+SLOW = {"intercept": 1.0, "prefill_tokens": 1 / 512}
+
+
+def test_refused_just_over_the_target_admitted_exactly_at_it() -> None:
+    control = AdmissionControl(ttft_target_s=2.0, initial_prefill_tokens_per_s=1000.0)
+    at = control.check(512, SLOW, 512)
+    assert (at.admitted, at.predicted_ttft_s, at.predictor) == (True, 2.0, "step_model")
+    assert at.retry_after_s is None
+    over = control.check(514, SLOW, 512)
+    # Two steps: 1 + 1 (512 tokens) and 1 + 2/512: 1.004 s over. Rounded up, not to nearest.
+    assert over.predicted_ttft_s == 3.0 + 2 / 512
+    assert (over.admitted, over.retry_after_s) == (False, 2)
+
+
+def test_retry_after_is_at_least_one_second() -> None:
+    control = AdmissionControl(ttft_target_s=1e-6, initial_prefill_tokens_per_s=1000.0)
+    verdict = control.check(1, COEF, 512)
+    assert (verdict.admitted, verdict.retry_after_s) == (False, 1)
+
+
+def test_interactive_work_ahead_counts_and_batch_work_does_not() -> None:
+    control = AdmissionControl(ttft_target_s=2.0, initial_prefill_tokens_per_s=1000.0)
+    control.requests.add("batch-1", 5000, interactive=False, now=0.0)
+    assert control.check(512, SLOW, 512).admitted
+    control.requests.add("chat-1", 10, interactive=True, now=0.0)
+    # 522 tokens ahead and new: two steps now.
+    refused = control.check(512, SLOW, 512)
+    assert (refused.predicted_ttft_s, refused.retry_after_s) == (2.0 + 522 / 512, 2)
+    # Its first token: it is now a decode (no decode term here) taking one token a step.
+    control.requests.first_token("chat-1", 0.1)
+    assert control.check(511, SLOW, 512).predicted_ttft_s == 1.0 + 511 / 512
+
+
+# -- bookkeeping ---------------------------------------------------------------------------
+
+
+def test_a_request_leaves_the_queue_at_its_first_token_or_when_aborted() -> None:
+    requests = InFlightRequests()
+    requests.add("a", 100, interactive=True, now=10.0)
+    requests.add("b", 200, interactive=True, now=10.5)
+    requests.add("c", 300, interactive=True, now=11.0)
+    requests.add("z", 900, interactive=False, now=11.0)
+    assert requests.prompts_ahead() == [100, 200, 300]
+    first = requests.first_token("b", 12.0)
+    assert first is not None and (first.ttft_s, first.num_prompt_tokens) == (1.5, 200)
+    assert requests.first_token("b", 13.0) is None  # only the first one counts
+    assert requests.prompts_ahead() == [100, 300]
+    assert requests.decodes(interactive=True) == Decodes(1, 201)
+    requests.remove("a")  # aborted before its first token
+    assert requests.prompts_ahead() == [300]
+    requests.remove("b")  # finished
+    assert requests.decodes(interactive=True) == Decodes(0, 0)
+    requests.first_token("z", 14.0)
+    assert requests.decodes(interactive=False) == Decodes(1, 901)
+    assert requests.first_token("a", 14.0) is None
+    requests.remove("a")  # twice: a no-op
+    assert len(requests) == 2
+    with pytest.raises(ValueError, match="already in flight"):
+        requests.add("c", 1, interactive=True, now=15.0)
+
+
+# -- the fallback ----------------------------------------------------------------------------
+
+
+def test_before_coefficients_the_prefill_speed_ema_predicts() -> None:
+    control = AdmissionControl(ttft_target_s=2.0, initial_prefill_tokens_per_s=1000.0)
+    assert control.predict(500, {}, 512) == (0.5, "ema")
+    # A profile-less engine sends zeros until its first fit: still the fallback.
+    assert control.predict(500, dict.fromkeys(COEF, 0.0), 512) == (0.5, "ema")
+    control.requests.add("a", 1000, interactive=True, now=0.0)
+    control.requests.add("b", 9000, interactive=False, now=0.0)
+    assert control.predict(500, {}, 512) == (1.5, "ema")
+    refused = control.check(1500, {}, 512)
+    assert (refused.predicted_ttft_s, refused.retry_after_s) == (2.5, 1)
+    # 1000 tokens in 0.5 s is 2000 tokens/s: the average moves a fifth of the way.
+    control.first_token("a", 0.5)
+    assert control.prefill_tokens_per_s == 1200.0
+    # Short prompts and batch requests teach it nothing.
+    control.requests.add("short", 10, interactive=True, now=0.0)
+    control.first_token("short", 1.0)
+    control.first_token("b", 1.0)
+    assert control.prefill_tokens_per_s == 1200.0
+
+
+# -- the gateway's service -------------------------------------------------------------------
+
+
+class _Engine:
+    """The parts of AsyncEngineClient the service uses, with outputs fed by the test."""
+
+    def __init__(self, stats: SchedulerStats | None) -> None:
+        self.config = EngineConfig()  # max_num_batched_tokens 512
+        self.stats = stats
+        self.info = None
+        self.outputs: dict[str, asyncio.Queue[EngineCoreOutput]] = {}
+
+    def is_healthy(self) -> bool:
+        return True
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        queue = self.outputs[request.req_id] = asyncio.Queue()
+        while True:
+            out = await queue.get()
+            yield out
+            if out.finished:
+                return
+
+
+def _stats(coefficients: dict[str, float]) -> SchedulerStats:
+    return SchedulerStats(0, 0, 0, 100, 0, 0, 0, 0, step_time_coefficients=coefficients)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_folder: Path) -> Tokenizer:
+    return Tokenizer(model_folder)
+
+
+def _service(engine: _Engine, tokenizer: Tokenizer, ttft_target_s: float) -> GenerationService:
+    config = ServeConfig(ttft_target_s=ttft_target_s)
+    return GenerationService(engine, tokenizer, config, Metrics(lambda: engine.stats))  # type: ignore[arg-type]
+
+
+def test_service_refuses_interactive_over_target_with_529_and_never_batch(
+    tokenizer: Tokenizer,
+) -> None:
+    service = _service(_Engine(_stats(SLOW)), tokenizer, ttft_target_s=2.0)
+    service.admit(512)
+    with pytest.raises(APIError) as error:
+        service.admit(514)
+    assert (error.value.status, error.value.retry_after_s) == (529, 2)
+    assert "overloaded" in error.value.message
+    service.admit(10**6, priority="batch")
+
+
+def test_service_falls_back_to_the_ema_until_the_engine_sends_coefficients(
+    tokenizer: Tokenizer,
+) -> None:
+    engine = _Engine(None)
+    service = _service(engine, tokenizer, ttft_target_s=2.0)
+    service.admit(2000)  # 2 s at the assumed 1000 tokens/s
+    with pytest.raises(APIError):
+        service.admit(2001)
+    engine.stats = _stats(SLOW)
+    with pytest.raises(APIError) as error:
+        service.admit(2000)  # 4 steps of the engine's model: 7.9 s
+    assert error.value.retry_after_s == 6
+
+
+def test_service_keeps_its_requests_in_flight_until_first_token_and_end(
+    tokenizer: Tokenizer,
+) -> None:
+    engine = _Engine(_stats(SLOW))
+    service = _service(engine, tokenizer, ttft_target_s=2.0)
+    requests = service.admission.requests
+
+    async def scenario() -> None:
+        params = SamplingParams(max_tokens=4)
+        chat = service.generate([1] * 300, params, route="/v1/messages")
+        batch = service.generate([1] * 700, params, route="/v1/messages", priority="batch")
+        aborted = service.generate([1] * 50, params, route="/v1/messages")
+        tasks = [asyncio.ensure_future(anext(g)) for g in (chat, batch, aborted)]
+        await asyncio.sleep(0)
+        assert requests.prompts_ahead() == [300, 50]  # batch work is not ahead of anyone
+        chat_id, batch_id, _ = engine.outputs
+        engine.outputs[chat_id].put_nowait(EngineCoreOutput(chat_id, [42]))
+        engine.outputs[batch_id].put_nowait(EngineCoreOutput(batch_id, [42]))
+        await asyncio.gather(tasks[0], tasks[1])
+        assert requests.prompts_ahead() == [50]
+        assert requests.decodes(interactive=True) == Decodes(1, 301)
+        assert requests.decodes(interactive=False) == Decodes(1, 701)
+        tasks[2].cancel()  # the client went away before its first token
+        await asyncio.gather(tasks[2], return_exceptions=True)
+        await aborted.aclose()
+        assert requests.prompts_ahead() == []
+        engine.outputs[chat_id].put_nowait(EngineCoreOutput(chat_id, [43], finish_reason="stop"))
+        assert (await anext(chat)).finish_reason == "stop"
+        await chat.aclose()
+        await batch.aclose()
+        assert len(requests) == 0
+
+    asyncio.run(scenario())
+    # The chat request was predicted (one step: 1 + 300/512 s) and measured: one sample.
+    text = generate_latest(service.metrics.registry).decode()
+    assert 'tokenfleet_ttft_prediction_error_ratio_count{predictor="step_model"} 1.0' in text

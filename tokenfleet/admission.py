@@ -1,0 +1,237 @@
+"""Admission control: the gateway's view of its requests in flight, and the time to first
+token a new interactive prompt would see behind them, priced by the engine's own step-time
+model (step_model.py).
+
+    in flight:  [interactive, no first token yet]  ──first token──▶  [decoding]  ──▶ gone
+                 └── prompts ahead, FCFS ──┘                           (finish / abort)
+
+The prediction replays the engine's schedule (scheduler.py) on those numbers: each step
+the running interactive decodes take one token each of `max_num_batched_tokens`, the
+prompts ahead and then the new one fill the rest in chunks, and running batch decodes ride
+along in what is left; each step costs what the step-time model says, and the TTFT is the
+sum up to the step that finishes the new prompt. Before the engine has sent coefficients,
+an exponential moving average of the prefill speed seen from the gateway stands in.
+
+Torch-free; time is passed in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from tokenfleet.step_model import TERMS, StepFeatures
+
+
+@dataclass(frozen=True, slots=True)
+class Decodes:
+    """Running decodes: how many, and the KV tokens they read in all in their next step."""
+
+    num_seqs: int = 0
+    num_kv_tokens: int = 0
+
+
+def step_seconds(coefficients: Mapping[str, float], features: StepFeatures) -> float:
+    """A step's predicted time: the step-time model with `coefficients` (term -> value)."""
+    values = zip(TERMS, features.vector(), strict=True)
+    return sum(coefficients.get(term, 0.0) * float(v) for term, v in values)
+
+
+def predict_ttft(
+    coefficients: Mapping[str, float],
+    max_num_batched_tokens: int,
+    num_prompt_tokens: int,
+    prompts_ahead: Sequence[int] = (),
+    interactive: Decodes = Decodes(),
+    batch: Decodes = Decodes(),
+) -> float:
+    """Seconds until a new interactive prompt of `num_prompt_tokens` is prefilled, behind
+    the interactive `prompts_ahead` (oldest first) and with the given running decodes.
+
+    A prompt ahead whose prefill ends joins the interactive decodes from the next step on,
+    and every decode's context grows by a token a step. Prefix-cache hits are not known
+    here, so every prompt is priced in full (a pessimistic bound)."""
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
+    prefills = deque([*prompts_ahead, num_prompt_tokens])
+    pos = 0  # tokens of prefills[0] already scheduled
+    num_i, kv_i = interactive.num_seqs, interactive.num_kv_tokens
+    num_b, kv_b = batch.num_seqs, batch.num_kv_tokens
+    total = 0.0
+    while True:
+        # max(.., 1): with more decodes than budget the engine would stall prefill; never
+        # with max_num_seqs under max_num_batched_tokens, and the loop must end.
+        budget = max(max_num_batched_tokens - num_i, 1)
+        step = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i)
+        joined, joined_kv = 0, 0
+        while budget and prefills:
+            num_new = min(prefills[0] - pos, budget)
+            step += StepFeatures.of_chunk(num_new, pos)
+            budget -= num_new
+            pos += num_new
+            if pos == prefills[0]:
+                # Its first token is sampled now; next step it decodes at position `pos`.
+                joined, joined_kv = joined + 1, joined_kv + pos + 1
+                prefills.popleft()
+                pos = 0
+        riding = min(num_b, budget)
+        if riding:
+            step += StepFeatures(decode_seqs=riding, kv_tokens_read=kv_b * riding // num_b)
+        total += step_seconds(coefficients, step)
+        if not prefills:
+            return total
+        kv_i += num_i + joined_kv
+        num_i += joined
+        kv_b += riding
+
+
+@dataclass(slots=True)
+class _InFlight:
+    num_prompt_tokens: int
+    interactive: bool
+    arrival_time: float
+    first_token_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """A request's first token, and how long it took to come."""
+
+    ttft_s: float
+    num_prompt_tokens: int
+    interactive: bool
+
+
+class InFlightRequests:
+    """Every request this gateway has sent to the engine and not yet seen end."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, _InFlight] = {}  # in arrival order
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(
+        self,
+        req_id: str,
+        num_prompt_tokens: int,
+        *,
+        interactive: bool,
+        now: float,
+    ) -> None:
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} is already in flight")
+        self._requests[req_id] = _InFlight(num_prompt_tokens, interactive, now)
+
+    def first_token(self, req_id: str, now: float) -> FirstToken | None:
+        """Mark the request as decoding; None if unknown or already past its first token."""
+        request = self._requests.get(req_id)
+        if request is None or request.first_token_time is not None:
+            return None
+        request.first_token_time = now
+        return FirstToken(
+            now - request.arrival_time,
+            request.num_prompt_tokens,
+            request.interactive,
+        )
+
+    def remove(self, req_id: str) -> None:
+        """The request finished or was aborted (a no-op for one never added)."""
+        self._requests.pop(req_id, None)
+
+    def prompts_ahead(self) -> list[int]:
+        """Prompt lengths of interactive requests still waiting for their first token,
+        oldest first: the prefill work a new interactive request queues behind."""
+        return [
+            r.num_prompt_tokens
+            for r in self._requests.values()
+            if r.interactive and r.first_token_time is None
+        ]
+
+    def decodes(self, *, interactive: bool) -> Decodes:
+        """The class's requests past their first token. Their context is counted as the
+        prompt plus one token: the gateway does not track each one's outputs here."""
+        seqs = [
+            r.num_prompt_tokens + 1
+            for r in self._requests.values()
+            if r.interactive == interactive and r.first_token_time is not None
+        ]
+        return Decodes(len(seqs), sum(seqs))
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Admission's answer for one prompt. `retry_after_s` is None when it is admitted."""
+
+    predicted_ttft_s: float
+    predictor: str  # "step_model" or "ema"
+    retry_after_s: int | None = None
+
+    @property
+    def admitted(self) -> bool:
+        return self.retry_after_s is None
+
+
+class AdmissionControl:
+    """Refuses an interactive prompt whose predicted TTFT exceeds `ttft_target_s`."""
+
+    # The EMA fallback learns only from prompts long enough for prefill to dominate.
+    EMA_MIN_PROMPT_TOKENS = 32
+    EMA_WEIGHT = 0.2
+
+    def __init__(self, ttft_target_s: float, initial_prefill_tokens_per_s: float) -> None:
+        if ttft_target_s <= 0 or initial_prefill_tokens_per_s <= 0:
+            raise ValueError("the TTFT target and the initial prefill speed must be positive")
+        self.ttft_target_s = ttft_target_s
+        self.prefill_tokens_per_s = initial_prefill_tokens_per_s
+        self.requests = InFlightRequests()
+
+    def predict(
+        self,
+        num_prompt_tokens: int,
+        coefficients: Mapping[str, float],
+        max_num_batched_tokens: int,
+    ) -> tuple[float, str]:
+        """The predicted TTFT of a new interactive prompt, and which predictor gave it."""
+        ahead = self.requests.prompts_ahead()
+        if not any(v > 0 for v in coefficients.values()):
+            return (sum(ahead) + num_prompt_tokens) / self.prefill_tokens_per_s, "ema"
+        seconds = predict_ttft(
+            coefficients,
+            max_num_batched_tokens,
+            num_prompt_tokens,
+            ahead,
+            self.requests.decodes(interactive=True),
+            self.requests.decodes(interactive=False),
+        )
+        return seconds, "step_model"
+
+    def check(
+        self,
+        num_prompt_tokens: int,
+        coefficients: Mapping[str, float],
+        max_num_batched_tokens: int,
+    ) -> Verdict:
+        """Admit at or under the target; over it, refuse with Retry-After = the predicted
+        excess rounded up to whole seconds (at least 1)."""
+        seconds, predictor = self.predict(num_prompt_tokens, coefficients, max_num_batched_tokens)
+        if seconds <= self.ttft_target_s:
+            return Verdict(seconds, predictor)
+        return Verdict(seconds, predictor, max(1, math.ceil(seconds - self.ttft_target_s)))
+
+    def first_token(self, req_id: str, now: float) -> FirstToken | None:
+        """Record a first token; an interactive one also teaches the EMA fallback the
+        prefill speed (a batch request's TTFT includes its wait behind interactive work)."""
+        first = self.requests.first_token(req_id, now)
+        if (
+            first is not None
+            and first.interactive
+            and first.ttft_s > 0
+            and first.num_prompt_tokens >= self.EMA_MIN_PROMPT_TOKENS
+        ):
+            rate = first.num_prompt_tokens / first.ttft_s
+            w = self.EMA_WEIGHT
+            self.prefill_tokens_per_s = (1 - w) * self.prefill_tokens_per_s + w * rate
+        return first
