@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # torch-free modules: type-checked strictly (the bookkeeping the simulator will reuse).
 MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_params.py \
 	tokenfleet/request.py tokenfleet/request_queue.py tokenfleet/block_pool.py \
-	tokenfleet/kv_cache.py tokenfleet/scheduler.py tokenfleet/reserve.py tokenfleet/scheduler_output.py \
+	tokenfleet/kv_cache.py tokenfleet/scheduler.py tokenfleet/reserve.py tokenfleet/harvest.py tokenfleet/scheduler_output.py \
 	tokenfleet/outputs.py tokenfleet/envs.py tokenfleet/models/config.py \
 	tokenfleet/detokenizer.py tokenfleet/fixed_runner.py tokenfleet/batch_client.py tokenfleet/batch/__init__.py tokenfleet/batch/schema.py \
 	tokenfleet/batch/store.py tokenfleet/step_model.py tokenfleet/step_profile.py tokenfleet/admission.py \

@@ -56,6 +56,8 @@ def _serve(args: argparse.Namespace) -> int:
         runner=args.runner,
         cache=cache,
         scheduler=scheduler,
+        tpot_target_s=args.tpot_target,
+        harvest_margin=args.harvest_margin,
     )
     try:
         config = ServeConfig(
@@ -125,6 +127,19 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit (413 above)")
     add(
         "--ttft-target", type=float, default=2.0, help="seconds; predicted TTFT above it is refused"
+    )
+    add(
+        "--tpot-target",
+        type=float,
+        default=0.06,
+        help="seconds; batch joins a step beside interactive streams only while its "
+        "predicted time stays within this, less the margin (default %(default)s)",
+    )
+    add(
+        "--harvest-margin",
+        type=float,
+        default=0.1,
+        help="fraction of --tpot-target kept spare for misprediction (default %(default)s)",
     )
     add("--device", default="cpu", help="cpu or cuda (default %(default)s)")
     add("--dtype", default="float32", help="float32 or bfloat16 (default %(default)s)")

@@ -72,6 +72,9 @@ class EngineConfig:
     `model` None means the bundled SmolLM2-135M-Instruct, converted on first use.
     `attention_backend` "auto" decodes with the fused C kernel on CPU float32 when a C
     compiler is there; "torch" always gathers blocks and calls SDPA.
+    The harvest budget (harvest.py): while interactive streams run, batch tokens join a
+    step only while its predicted time stays within `tpot_target_s` * (1 -
+    `harvest_margin`); the default target is the reference GPU's.
     """
 
     model: str | None = None
@@ -86,8 +89,14 @@ class EngineConfig:
     runner: str = "model"
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tpot_target_s: float = 0.06
+    harvest_margin: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.tpot_target_s <= 0:
+            raise ValueError(f"tpot_target_s must be positive, got {self.tpot_target_s}")
+        if not 0 <= self.harvest_margin < 1:
+            raise ValueError(f"harvest_margin must be in [0, 1), got {self.harvest_margin}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in _ATTENTION_BACKENDS:

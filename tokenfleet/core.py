@@ -2,6 +2,10 @@
 
     step(): scheduler.schedule(now) -> model_runner.execute() -> scheduler.update()
 
+The scheduler asks the core for each step's harvest budget once it has planned the
+interactive part (harvest.py): batch joins only while the step-time model predicts the
+step within the TPOT target.
+
 Requests and aborts arrive between steps; each step returns one EngineCoreOutputs that
 lists every request that gained tokens or finished. Everything in and out is plain data
 (outputs.py), so the core can sit behind a process boundary.
@@ -19,6 +23,12 @@ from tokenfleet import envs
 from tokenfleet.config import EngineConfig
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
 from tokenfleet.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
+from tokenfleet.harvest import (
+    BatchTokenCost,
+    batch_candidates,
+    batch_token_cost,
+    harvest_budget,
+)
 from tokenfleet.kv_cache import KVCacheManager
 from tokenfleet.model_folder import resolve_model_folder
 from tokenfleet.model_runner import ModelRunner
@@ -29,9 +39,9 @@ from tokenfleet.outputs import (
     EngineCoreRequest,
     SchedulerStats,
 )
-from tokenfleet.request import Request
+from tokenfleet.request import PRIORITY_INTERACTIVE, Request
 from tokenfleet.scheduler import Scheduler
-from tokenfleet.step_model import StepModelConfig, StepTimeModel, step_features
+from tokenfleet.step_model import StepFeatures, StepModelConfig, StepTimeModel, step_features
 from tokenfleet.step_profile import profile_step_time
 from tokenfleet.tokenizer import Tokenizer
 
@@ -87,6 +97,10 @@ class EngineCore:
         self.step_model = StepTimeModel(step_model_config)
         if self.step_model.config.profile and isinstance(self.runner, ModelRunner):
             self.profile_step_time()
+        # The latest step's predicted runner time (None for an empty step), and the
+        # harvest budget of the latest step with batch work to plan (None before any).
+        self.last_prediction: float | None = None
+        self.last_batch_token_budget: int | None = None
         self.last_step_time = time.monotonic()  # the heartbeat the gateway's health reads
 
     def profile_step_time(self) -> None:
@@ -155,8 +169,12 @@ class EngineCore:
 
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
-        scheduler_output = self.scheduler.schedule(now)
+        scheduler_output = self.scheduler.schedule(now, batch_token_budget=self._harvest_budget)
         features = step_features(scheduler_output)
+        if scheduler_output.is_empty:
+            self.last_prediction = None
+        else:
+            self.last_prediction = self.step_model.predict(features)
         began = time.perf_counter()
         runner_output = self.runner.execute(scheduler_output)
         if not scheduler_output.is_empty:
@@ -166,8 +184,46 @@ class EngineCore:
         self.last_step_time = time.monotonic()
         return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
 
+    def _harvest_budget(self, interactive_chunks: list[tuple[int, int]]) -> int:
+        """The step's batch token budget, given its planned interactive chunks as
+        (num_tokens, start_pos); the scheduler asks once per step with batch work."""
+        interactive = StepFeatures()
+        for num_tokens, start_pos in interactive_chunks:
+            interactive += StepFeatures.of_chunk(num_tokens, start_pos)
+        config = self.scheduler.config
+        cost = BatchTokenCost()
+        if interactive_chunks:  # no interactive part: no cap, no need for the cost
+            candidates = batch_candidates(
+                self.scheduler.running,
+                self.scheduler.waiting,
+                config.max_num_seqs,
+                self.kv.block_size,
+            )
+            cost = batch_token_cost(self.step_model, candidates)
+        budget = harvest_budget(
+            self.step_model,
+            interactive,
+            cost,
+            tpot_target_s=self.config.tpot_target_s,
+            margin=self.config.harvest_margin,
+            max_tokens=config.max_num_batched_tokens - sum(n for n, _ in interactive_chunks),
+        )
+        self.last_batch_token_budget = budget
+        return budget
+
     def stats(self) -> SchedulerStats:
         errors = self.step_model.prediction_error_quantiles((0.5, 0.99))
+        scheduler = self.scheduler
+        num_running_interactive = sum(r.is_interactive for r in scheduler.running)
+        num_waiting_interactive = sum(
+            scheduler.waiting.num_waiting(p)
+            for p in scheduler.waiting.priorities
+            if p <= PRIORITY_INTERACTIVE
+        )
+        preempted = scheduler.num_preemptions_by_priority
+        num_preempted_interactive = sum(
+            n for p, n in preempted.items() if p <= PRIORITY_INTERACTIVE
+        )
         return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -180,4 +236,13 @@ class EngineCore:
             step_time_error_p50=None if errors is None else errors[0],
             step_time_error_p99=None if errors is None else errors[1],
             step_time_coefficients=self.step_model.coefficients,
+            num_running_by_class=_by_class(num_running_interactive, len(scheduler.running)),
+            num_waiting_by_class=_by_class(num_waiting_interactive, len(scheduler.waiting)),
+            num_preemptions_by_class=_by_class(num_preempted_interactive, sum(preempted.values())),
+            num_kv_blocks_reserved_interactive=scheduler.reserve_blocks,
+            batch_token_budget=self.last_batch_token_budget,
         )
+
+
+def _by_class(num_interactive: int, num_all: int) -> dict[str, int]:
+    return {"interactive": num_interactive, "batch": num_all - num_interactive}

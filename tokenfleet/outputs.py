@@ -57,6 +57,16 @@ class SchedulerStats(msgspec.Struct):
     step_time_error_p50: float | None = None
     step_time_error_p99: float | None = None
     step_time_coefficients: dict[str, float] = {}
+    # Interactive and batch side by side, keyed "interactive" and "batch": requests
+    # running and waiting, and preemptions since start.
+    num_running_by_class: dict[str, int] = {}
+    num_waiting_by_class: dict[str, int] = {}
+    num_preemptions_by_class: dict[str, int] = {}
+    # Free KV blocks batch had to leave for interactive arrivals in the latest step.
+    num_kv_blocks_reserved_interactive: int = 0
+    # The harvest budget (harvest.py) of the latest step that had batch work to plan:
+    # batch tokens allowed in it (None before any).
+    batch_token_budget: int | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct):

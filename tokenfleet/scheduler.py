@@ -7,9 +7,10 @@ interactive 0, batch 1) and each step serves them class by class, most urgent fi
 
     for each class:  its running requests (in order)  ->  its waiting requests (FCFS)
 
-Batch classes also stay within the step's `batch_token_budget` (the harvest budget)
-and leave the interactive reserve free (`reserve.py`); a batch request held back by the
-reserve alone waits with its blocks.
+Batch classes also stay within the step's `batch_token_budget` (the harvest budget,
+given, or asked for once the interactive classes are planned: harvest.py) and leave the
+interactive reserve free (`reserve.py`); a batch request held back by the reserve alone
+waits with its blocks.
 
 When blocks or sequence slots run out, the victim is the least urgent class first, the
 newest within it, and never more urgent than the request that needs the room: a waiting
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenfleet.block_pool import KVCacheBlock
@@ -37,6 +38,10 @@ from tokenfleet.reserve import InteractiveReserve
 from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# Asked once per step, after the interactive classes are planned, with their chunks as
+# (num_tokens, start_pos): the step's batch token budget.
+BatchTokenBudget = Callable[[list[tuple[int, int]]], int]
 
 
 @dataclass
@@ -58,6 +63,12 @@ class _StepPlan:
         self.budget -= num_tokens
         if not request.is_interactive and self.batch_budget is not None:
             self.batch_budget -= num_tokens
+
+
+def _checked_budget(batch_token_budget: int | None) -> int | None:
+    if batch_token_budget is not None and batch_token_budget < 0:
+        raise ValueError(f"batch_token_budget must be at least 0, got {batch_token_budget}")
+    return batch_token_budget
 
 
 class Scheduler:
@@ -114,14 +125,20 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------------
 
-    def schedule(self, now: float, *, batch_token_budget: int | None = None) -> SchedulerOutput:
+    def schedule(
+        self, now: float, *, batch_token_budget: int | BatchTokenBudget | None = None
+    ) -> SchedulerOutput:
         """Plan one step. `batch_token_budget` caps the tokens of all batch requests in
-        it (the harvest budget); interactive requests are never held to it."""
-        if batch_token_budget is not None and batch_token_budget < 0:
-            raise ValueError(f"batch_token_budget must be at least 0, got {batch_token_budget}")
+        it (the harvest budget), or is asked for it; interactive requests are never held
+        to it."""
+        ask = batch_token_budget if callable(batch_token_budget) else None
+        given = None if callable(batch_token_budget) else batch_token_budget
+        plan = _StepPlan(self.config.max_num_batched_tokens, _checked_budget(given))
         self.reserve_blocks = self.reserve.blocks(now)
-        plan = _StepPlan(self.config.max_num_batched_tokens, batch_token_budget)
         for priority in sorted({r.priority for r in self.running} | set(self.waiting.priorities)):
+            if ask is not None and priority > PRIORITY_INTERACTIVE:
+                plan.batch_budget = _checked_budget(ask(self._planned_chunks(plan)))
+                ask = None
             self._schedule_running(plan, priority)
             # Not in a step that preempted one of this class: the blocks freed go to the
             # running requests first, and the preempted one must not come straight back.
@@ -137,6 +154,10 @@ class Scheduler:
             finished_req_ids=finished,
             preempted_req_ids=tuple(r.req_id for r in plan.preempted),
         )
+
+    def _planned_chunks(self, plan: _StepPlan) -> list[tuple[int, int]]:
+        """(num_tokens, start_pos) of each request planned so far (not yet committed)."""
+        return [(n, self.requests[i].num_computed_tokens) for i, n in plan.num_scheduled.items()]
 
     def _schedule_running(self, plan: _StepPlan, priority: int) -> None:
         for request in [r for r in self.running if r.priority == priority]:

@@ -47,6 +47,41 @@ class _EngineCollector(Collector):
             value=stats.num_preemptions,
         )
         yield from _step_model_gauges(stats)
+        yield from _class_metrics(stats)
+
+
+def _class_metrics(stats: SchedulerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Interactive and batch side by side: requests, preemptions, the reserve, the harvest
+    budget (harvest.py)."""
+    for name, doc, values in (
+        ("running", "requests running in the engine, by class", stats.num_running_by_class),
+        ("waiting", "requests waiting in the engine, by class", stats.num_waiting_by_class),
+    ):
+        gauge = GaugeMetricFamily(
+            f"tokenfleet_num_requests_{name}_by_class", doc, labels=("class",)
+        )
+        for label, value in values.items():
+            gauge.add_metric((label,), value)
+        yield gauge
+    preemptions = CounterMetricFamily(
+        "tokenfleet_preemptions_by_class",
+        "requests preempted since the engine started, by the preempted request's class",
+        labels=("class",),
+    )
+    for label, value in stats.num_preemptions_by_class.items():
+        preemptions.add_metric((label,), value)
+    yield preemptions
+    yield GaugeMetricFamily(
+        "tokenfleet_kv_blocks_reserved_interactive",
+        "free KV-cache blocks batch work had to leave for interactive arrivals in the last step",
+        value=stats.num_kv_blocks_reserved_interactive,
+    )
+    if stats.batch_token_budget is not None:
+        yield GaugeMetricFamily(
+            "tokenfleet_batch_token_budget",
+            "batch tokens allowed in the last step with batch work (the harvest budget)",
+            value=stats.batch_token_budget,
+        )
 
 
 def _step_model_gauges(stats: SchedulerStats) -> Iterator[GaugeMetricFamily]:

@@ -1,0 +1,370 @@
+"""The harvest budget: exact budgets on a hand-set step-time model, the scheduler asking
+for it once the interactive part is planned, and an engine whose steps beside
+interactive streams are never predicted over the TPOT target (less the margin)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from tokenfleet.config import EngineConfig, SchedulerConfig
+from tokenfleet.core import EngineCore
+from tokenfleet.harvest import (
+    BatchTokenCost,
+    batch_candidates,
+    batch_token_cost,
+    chunk_cost,
+    harvest_budget,
+    step_time_limit,
+)
+from tokenfleet.kv_cache import KVCacheManager
+from tokenfleet.outputs import EngineCoreRequest, ModelRunnerOutput, SchedulerStats
+from tokenfleet.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request
+from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.scheduler import Scheduler
+from tokenfleet.scheduler_output import SchedulerOutput
+from tokenfleet.server.metrics import Metrics
+from tokenfleet.step_model import TERMS, StepFeatures, StepModelConfig, StepTimeModel
+
+# Coefficients in ticks of 2^-26 s, so that every prediction below is exact in floats:
+# 7.8 ms a step, 61 us a prefill token, 0.98 ms a decode, 0.95 us a KV token read, 15 ns
+# a query token x context.
+TICK = 2.0**-26
+A, B, C, D, E = 2**19, 2**12, 2**16, 2**6, 1
+# 62.5 ms less a quarter: 46.875 ms, 3 * 2^20 ticks.
+TARGET, MARGIN = 2.0**-4, 0.25
+LIMIT = 3 * 2**20
+
+
+class HandSetStepModel(StepTimeModel):
+    """A step-time model with known coefficients that never refits from measured steps
+    (the fixed runner's are microseconds)."""
+
+    def __init__(self, *ticks: int) -> None:
+        super().__init__(StepModelConfig(profile=False))
+        self.coef = np.array(ticks, dtype=float) * TICK
+
+    @property
+    def coefficients(self) -> dict[str, float]:
+        return {t: float(c) for t, c in zip(TERMS, self.coef, strict=True)}
+
+    def predict(self, features: StepFeatures) -> float:
+        return float(features.vector() @ self.coef)
+
+    def observe(self, features: StepFeatures, seconds: float) -> None:
+        pass
+
+
+MODEL = HandSetStepModel(A, B, C, D, E)
+
+
+def budget(
+    interactive: StepFeatures, per_token: float, once: float = 0, max_tokens: int = 512
+) -> int:
+    return harvest_budget(
+        MODEL,
+        interactive,
+        BatchTokenCost(per_token * TICK, once * TICK),
+        tpot_target_s=TARGET,
+        margin=MARGIN,
+        max_tokens=max_tokens,
+    )
+
+
+# -- the budget function ----------------------------------------------------------------
+
+
+def test_limit_is_the_target_less_the_margin() -> None:
+    assert step_time_limit(TARGET, MARGIN) == LIMIT * TICK == 0.046875
+
+
+def test_chunk_cost_leaves_out_the_step_fixed_cost() -> None:
+    assert chunk_cost(MODEL, 1, 199) == (C + 200 * D) * TICK
+    assert chunk_cost(MODEL, 40, 0) == (40 * B + 40 * D + 40 * 40 * E) * TICK
+
+
+def cost(per_token: float, once: float = 0) -> BatchTokenCost:
+    return BatchTokenCost(per_token * TICK, once * TICK)
+
+
+def test_token_cost_bounds_decodes_and_prefill_chunks_by_the_largest_context() -> None:
+    assert batch_token_cost(MODEL, []) == BatchTokenCost(0.0, 0.0)
+    # A decode at context 200.
+    assert batch_token_cost(MODEL, [(199, 200)]) == cost(C + 200 * D)
+    # A prompt of 300: b + d*L/2 + e*L a token, and a decode at 300 for the cut chunk.
+    assert batch_token_cost(MODEL, [(0, 300)]) == cost(B + 150 * D + 300 * E, C + 300 * D)
+    # The largest context of each kind: decodes up to 501, prefills up to 300.
+    assert batch_token_cost(MODEL, [(199, 200), (0, 300), (500, 501)]) == cost(
+        C + 501 * D, C + 300 * D
+    )
+    cheap_decodes = HandSetStepModel(A, 2**14, 0, D, 2**4)
+    assert batch_token_cost(cheap_decodes, [(0, 300)]) == cost(
+        2**14 + 150 * D + 300 * 2**4, 300 * D
+    )
+    assert batch_token_cost(cheap_decodes, [(299, 300)]) == cost(300 * D)
+
+
+def test_token_cost_is_never_under_any_chunk_it_bounds() -> None:
+    for model in (MODEL, HandSetStepModel(A, 2**14, 0, D, 2**4)):
+        bound = batch_token_cost(model, [(0, 300)])
+        for start in (0, 1, 2, 150, 284, 297, 298):
+            for num_tokens in range(1, 301 - start):
+                chunk = chunk_cost(model, num_tokens, start)
+                assert chunk <= num_tokens * bound.per_token + bound.once
+                if num_tokens >= 2 and start + num_tokens == 300:  # whole: no cut
+                    assert chunk <= num_tokens * bound.per_token
+
+
+def test_no_interactive_work_gets_every_token_left() -> None:
+    assert budget(StepFeatures(), C + 300 * D) == 512
+    assert budget(StepFeatures(), 10**9, 10**9, max_tokens=37) == 37
+
+
+def test_light_interactive_load_leaves_an_exact_token_count() -> None:
+    # 4 interactive decodes at context 100: 812,032 ticks, 2,333,696 to spare.
+    four_decodes = StepFeatures(decode_seqs=4, kv_tokens_read=400)
+    assert MODEL.predict(four_decodes) == (A + 4 * C + 400 * D) * TICK == 812_032 * TICK
+    # A batch decode at context 200 costs 78,336 ticks a token: 29 fit (2,271,744).
+    assert budget(four_decodes, C + 200 * D) == 29
+    # An interactive prefill of 120 tokens in 3 prompts: 2,117,440 ticks spare; less a
+    # cut chunk's 84,736, 145 prefill tokens of 13,996 fit (2,029,420).
+    prefill = StepFeatures(prefill_tokens=120, kv_tokens_read=120, prefill_attention=4800)
+    assert budget(prefill, B + 150 * D + 300 * E, C + 300 * D) == 145
+    # Cheap batch tokens: capped by the step's token budget.
+    assert budget(four_decodes, 1, max_tokens=100) == 100
+
+
+def test_heavy_interactive_load_leaves_batch_nothing() -> None:
+    # 48 decodes: the per-decode cost alone is the whole limit.
+    heavy = StepFeatures(decode_seqs=48, kv_tokens_read=48_000)
+    assert MODEL.predict(heavy) > LIMIT * TICK
+    assert budget(heavy, C + 300 * D) == 0
+    assert budget(heavy, 0) == 0  # even with free batch tokens
+    # Exactly at the limit: no time left for a token.
+    at_limit = StepFeatures(decode_seqs=40)  # 2^19 + 40 * 2^16 = 3 * 2^20
+    assert MODEL.predict(at_limit) == LIMIT * TICK
+    assert budget(at_limit, 1) == 0
+    # 65,536 ticks spare: one decode of 65,536 fits, one of 65,537 does not, and nothing
+    # when a cut chunk could take it all.
+    assert budget(StepFeatures(decode_seqs=39), C) == 1
+    assert budget(StepFeatures(decode_seqs=39), C + 1) == 0
+    assert budget(StepFeatures(decode_seqs=39), 1, C + 1) == 0
+
+
+def test_candidates_are_running_batch_and_the_head_of_the_batch_queue() -> None:
+    def request(req_id: str, num_tokens: int, priority: int = PRIORITY_BATCH) -> Request:
+        return Request(
+            req_id, [1] * num_tokens, SamplingParams(), arrival_time=0.0, priority=priority
+        )
+
+    running = [request("i", 10, PRIORITY_INTERACTIVE), request("b", 20)]
+    running[1].num_computed_tokens = 19
+    waiting = [request("wi", 500, PRIORITY_INTERACTIVE)]
+    waiting += [request("w0", 30), request("w1", 17), request("w2", 33), request("w3", 40)]
+    # A waiting request may start after its last full block before the last token.
+    assert list(batch_candidates(running, waiting, 3, 16)) == [
+        (19, 20),
+        (16, 30),
+        (16, 17),
+        (32, 33),
+    ]
+
+
+# -- the scheduler asks for it -----------------------------------------------------------
+
+
+def _scheduler(max_num_batched_tokens: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=8)
+    return Scheduler(config, KVCacheManager(64, 16, enable_caching=True))
+
+
+def _add(scheduler: Scheduler, req_id: str, prompt: list[int], priority: int) -> None:
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    scheduler.add_request(Request(req_id, prompt, params, arrival_time=0.0, priority=priority))
+
+
+def _asking(answers: list[int]) -> tuple[list[list[tuple[int, int]]], Callable[..., int]]:
+    asked: list[list[tuple[int, int]]] = []
+
+    def ask(chunks: list[tuple[int, int]]) -> int:
+        asked.append(chunks)
+        return answers[len(asked) - 1]
+
+    return asked, ask
+
+
+def _planned(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(s.req_id, s.num_tokens, s.start_pos) for s in out.scheduled]
+
+
+def test_scheduler_asks_once_the_interactive_part_is_planned() -> None:
+    scheduler = _scheduler()
+    _add(scheduler, "i", list(range(10)), PRIORITY_INTERACTIVE)
+    _add(scheduler, "b", list(range(100, 130)), PRIORITY_BATCH)
+    asked, ask = _asking([5, 0, 64])
+    out = scheduler.schedule(0.0, batch_token_budget=ask)
+    assert _planned(out) == [("i", 10, 0), ("b", 5, 0)]
+    assert asked == [[(10, 0)]]
+    scheduler.update(out, ModelRunnerOutput({"i": 7}))  # b, mid-prompt, samples nothing
+    assert _planned(scheduler.schedule(1.0, batch_token_budget=ask)) == [("i", 1, 10)]
+    assert asked[1] == [(1, 10)]
+    scheduler.abort_requests(["i"])
+    # No interactive work: asked with nothing planned.
+    assert _planned(scheduler.schedule(2.0, batch_token_budget=ask)) == [("b", 25, 5)]
+    assert asked[2] == []
+
+
+def test_scheduler_does_not_ask_without_batch_work() -> None:
+    scheduler = _scheduler()
+    _add(scheduler, "i", list(range(10)), PRIORITY_INTERACTIVE)
+    asked, ask = _asking([])
+    assert _planned(scheduler.schedule(0.0, batch_token_budget=ask)) == [("i", 10, 0)]
+    assert asked == []
+
+
+def test_scheduler_refuses_a_negative_answer() -> None:
+    scheduler = _scheduler()
+    _add(scheduler, "b", list(range(10)), PRIORITY_BATCH)
+    with pytest.raises(ValueError, match="batch_token_budget must be at least 0, got -1"):
+        scheduler.schedule(0.0, batch_token_budget=lambda chunks: -1)
+
+
+# -- the engine --------------------------------------------------------------------------
+
+
+def _request(req_id: str, prompt: list[int], max_tokens: int, priority: int) -> EngineCoreRequest:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return EngineCoreRequest(req_id, prompt, params, arrival_time=0.0, priority=priority)
+
+
+def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
+    config = EngineConfig(
+        model=str(model_folder),
+        runner="fixed",
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
+        tpot_target_s=TARGET,
+        harvest_margin=MARGIN,
+    )
+    engine = EngineCore(config)
+    engine.step_model = MODEL
+    scheduler = engine.scheduler
+    outs: list[SchedulerOutput] = []
+    batch_left: list[int] = []  # batch tokens still to compute before each step
+    schedule = scheduler.schedule
+
+    def recording(now: float, **kwargs: Any) -> SchedulerOutput:
+        batch = [r for r in scheduler.requests.values() if not r.is_interactive]
+        batch_left.append(sum(r.num_tokens - r.num_computed_tokens for r in batch))
+        outs.append(schedule(now, **kwargs))
+        return outs[-1]
+
+    scheduler.schedule = recording  # type: ignore[method-assign]
+    max_tokens = {f"b{n}": 8 for n in range(6)} | {f"i{n}": 12 for n in range(3)}
+    for n in range(6):
+        engine.add_request(_request(f"b{n}", [100 + n] * 300, 8, PRIORITY_BATCH))
+    tokens: dict[str, list[int]] = {r: [] for r in max_tokens}
+    finish: dict[str, str | None] = {}
+    trace: list[tuple[int, int, int | None]] = []  # interactive tokens, batch, budget
+    while engine.has_unfinished_requests():
+        if len(outs) == 2:  # interactive streams arrive mid-batch
+            for n in range(3):
+                engine.add_request(_request(f"i{n}", [200 + n] * 40, 12, PRIORITY_INTERACTIVE))
+            stats = engine.stats()
+            assert stats.num_waiting_by_class == {"interactive": 3, "batch": 4}
+            assert stats.num_running_by_class == {"interactive": 0, "batch": 2}
+        result = engine.step(0.05 * len(outs))
+        for output in result.outputs:
+            tokens[output.req_id] += output.new_token_ids
+            finish[output.req_id] = output.finish_reason
+        out = outs[-1]
+        chunks = {"i": StepFeatures(), "b": StepFeatures()}
+        num_tokens = {"i": 0, "b": 0}
+        for s in out.scheduled:
+            chunks[s.req_id[0]] += StepFeatures.of_chunk(s.num_tokens, s.start_pos)
+            num_tokens[s.req_id[0]] += s.num_tokens
+        assert engine.last_prediction == MODEL.predict(chunks["i"] + chunks["b"])
+        if chunks["i"] == StepFeatures():  # no interactive stream: the whole step
+            assert engine.last_batch_token_budget == 256
+            assert num_tokens["b"] == min(256, batch_left[-1])
+        elif MODEL.predict(chunks["i"]) <= LIMIT * TICK:
+            assert engine.last_prediction <= LIMIT * TICK
+        else:
+            assert num_tokens["b"] == 0
+        trace.append((num_tokens["i"], num_tokens["b"], engine.last_batch_token_budget))
+    # Two full batch steps; the interactive prompts, then 11 decodes beside batch decodes
+    # (every batch token priced as a decode), the last beside batch prefill alone; then
+    # batch alone again.
+    assert trace == (
+        [(0, 256, 256)] * 2
+        + [(120, 23, 23)]
+        + [(3, 27, 27)] * 10
+        + [(3, 166, 166)]
+        + [(0, n, 256) for n in (256, 256, 256, 83, 4, 4, 4, 3, 2, 2, 1)]
+    )
+    fixed = engine.runner.token_id  # type: ignore[union-attr]
+    assert tokens == {r: [fixed] * n for r, n in max_tokens.items()}
+    assert finish == dict.fromkeys(max_tokens, "length")
+    stats = engine.stats()
+    assert stats.num_running_by_class == {"interactive": 0, "batch": 0}
+    assert stats.num_waiting_by_class == {"interactive": 0, "batch": 0}
+    assert stats.num_preemptions_by_class == {"interactive": 0, "batch": 0}
+    assert stats.num_kv_blocks_reserved_interactive == scheduler.reserve_blocks == 15
+    assert stats.batch_token_budget == 256
+
+
+def test_config_and_stats_defaults() -> None:
+    config = EngineConfig()
+    assert (config.tpot_target_s, config.harvest_margin) == (0.06, 0.1)
+    with pytest.raises(ValueError, match="tpot_target_s must be positive, got 0"):
+        EngineConfig(tpot_target_s=0)
+    with pytest.raises(ValueError, match=r"harvest_margin must be in \[0, 1\), got 1"):
+        EngineConfig(harvest_margin=1)
+    stats = SchedulerStats(0, 0, 0, 10, 0, 0, 0, 0)
+    assert stats.batch_token_budget is None
+    assert stats.num_preemptions_by_class == {}
+
+
+def test_metrics_export_classes_reserve_and_budget() -> None:
+    stats = SchedulerStats(
+        num_running=5,
+        num_waiting=7,
+        num_kv_blocks_used=0,
+        num_kv_blocks_total=10,
+        num_prefix_query_tokens=0,
+        num_prefix_hit_tokens=0,
+        num_preemptions=4,
+        num_steps=0,
+        num_running_by_class={"interactive": 2, "batch": 3},
+        num_waiting_by_class={"interactive": 1, "batch": 6},
+        num_preemptions_by_class={"interactive": 1, "batch": 3},
+        num_kv_blocks_reserved_interactive=12,
+        batch_token_budget=29,
+    )
+    text = generate_latest(Metrics(lambda: stats).registry).decode()
+    names = (
+        "tokenfleet_num_requests_running_by_class",
+        "tokenfleet_num_requests_waiting_by_class",
+        "tokenfleet_preemptions_by_class_total",
+        "tokenfleet_kv_blocks_reserved_interactive",
+        "tokenfleet_batch_token_budget",
+    )
+    lines = [line for line in text.splitlines() if line.startswith(names)]
+    assert lines == [
+        'tokenfleet_num_requests_running_by_class{class="interactive"} 2.0',
+        'tokenfleet_num_requests_running_by_class{class="batch"} 3.0',
+        'tokenfleet_num_requests_waiting_by_class{class="interactive"} 1.0',
+        'tokenfleet_num_requests_waiting_by_class{class="batch"} 6.0',
+        'tokenfleet_preemptions_by_class_total{class="interactive"} 1.0',
+        'tokenfleet_preemptions_by_class_total{class="batch"} 3.0',
+        "tokenfleet_kv_blocks_reserved_interactive 12.0",
+        "tokenfleet_batch_token_budget 29.0",
+    ]
+    # Before any step with batch work there is no budget to report.
+    empty = SchedulerStats(0, 0, 0, 10, 0, 0, 0, 0)
+    text = generate_latest(Metrics(lambda: empty).registry).decode()
+    assert "tokenfleet_batch_token_budget " not in text
