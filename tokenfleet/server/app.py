@@ -191,6 +191,7 @@ async def _start_batches(
         DispatcherConfig(
             owner=config.gateway_id,
             depth=config_depth(client),
+            queue_target=max(4, config_depth(client) // 8),
             lease_s=config.lease_s,
             max_attempts=config.max_attempts,
             retention_s=config.retention_s,
@@ -198,11 +199,19 @@ async def _start_batches(
         runners,
         ResultFormats(),
         ready=client.is_healthy,
+        engine_load=lambda: _batch_load(client),
         counted=lambda outcome, n: metrics.batch_results.labels(outcome=outcome).inc(n),
         on_finished=ResultFiles(store).register_soon,  # OpenAI batches' output/error files
     )
     await dispatcher.start()
     return BatchState(config, store, dispatcher)
+
+
+def _batch_load(client: AsyncEngineClient) -> tuple[int, int] | None:
+    stats = client.stats
+    if stats is None:
+        return None
+    return stats.num_running_by_class.get("batch", 0), stats.num_waiting_by_class.get("batch", 0)
 
 
 def config_depth(client: AsyncEngineClient) -> int:

@@ -41,7 +41,8 @@ Runner = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 @dataclass(frozen=True)
 class DispatcherConfig:
     owner: str  # this gateway's lease owner id
-    depth: int = 64  # batch requests in flight at once (the engine's sequence slots)
+    depth: int = 64  # at most this many batch requests in flight (the engine's sequence slots)
+    queue_target: int = 8  # batch requests kept waiting in the engine beyond those it runs
     lease_s: float = 120.0  # renewed every lease_s / 3 while a request runs
     max_attempts: int = 3  # engine failures before a request is recorded as errored
     poll_s: float = 0.05  # how often to look for work when there was none
@@ -60,6 +61,7 @@ class BatchDispatcher:
         results: ResultFormats,
         *,
         ready: Callable[[], bool] = lambda: True,
+        engine_load: Callable[[], tuple[int, int] | None] = lambda: None,
         counted: Callable[[str, int], None] = lambda outcome, n: None,
         clock: Callable[[], float] = time.time,
         on_finished: Callable[[list[str]], None] = lambda batch_ids: None,
@@ -69,6 +71,7 @@ class BatchDispatcher:
         self.runners = runners
         self.results = results
         self.ready = ready  # lease only while the engine can take work
+        self.engine_load = engine_load  # (batch running, batch waiting) in the engine, if known
         self.counted = counted  # (outcome, how many): committed results, for /metrics
         self.clock = clock
         # Told the ids of batches that just ended (here or in a cancel route); must not block.
@@ -138,7 +141,10 @@ class BatchDispatcher:
                 if now >= next_maintenance:
                     await self._maintain(now)
                     next_maintenance = now + self.config.maintenance_s
-                free = self.config.depth - len(self._tasks)
+                config = self.config
+                free = lease_room(
+                    len(self._tasks), self.engine_load(), config.queue_target, config.depth
+                )
                 leased: list[LeasedRequest] = []
                 if free > 0 and self.ready():
                     leased = await self.db(
@@ -155,8 +161,11 @@ class BatchDispatcher:
             except Exception:
                 logger.exception("batch dispatcher step failed; retrying")
             self._wake.clear()
+            # With requests running, look again soon: the engine may take more as it runs
+            # them (the room follows its running count); idle, once a second.
+            wait_s = self.config.poll_s if self._tasks else self.config.poll_s * 20
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_s * 20)
+                await asyncio.wait_for(self._wake.wait(), wait_s)
 
     async def _maintain(self, now: float) -> None:
         store = self.store
@@ -263,6 +272,17 @@ class BatchDispatcher:
         for _, done in batch:
             if not done.done():
                 done.set_result(True)
+
+
+def lease_room(
+    in_flight: int, engine_load: tuple[int, int] | None, queue_target: int, depth: int
+) -> int:
+    """How many more batch requests to lease now: enough to keep about `queue_target` of
+    them waiting in the engine beyond those it runs (so it never starves between two looks),
+    and no more, so that a cancel or an interactive burst finds little to undo. Before the
+    engine has reported its load, `queue_target` in all; never over `depth` in flight."""
+    running = engine_load[0] if engine_load is not None else 0
+    return max(0, min(depth, running + queue_target) - in_flight)
 
 
 class ResultFormats:
