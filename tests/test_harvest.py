@@ -368,3 +368,50 @@ def test_metrics_export_classes_reserve_and_budget() -> None:
     empty = SchedulerStats(0, 0, 0, 10, 0, 0, 0, 0)
     text = generate_latest(Metrics(lambda: empty).registry).decode()
     assert "tokenfleet_batch_token_budget " not in text
+
+
+@pytest.mark.parametrize(
+    ("policy", "first_step", "second_step"),
+    [
+        # priority: the later interactive prompt goes first; batch gets what the harvest
+        # budget leaves (169 tokens, as the hand-set step model prices them).
+        ("priority", {"i0": 40, "b0": 169}, None),
+        # fcfs: arrival order alone, no harvest budget: the earlier batch prompt fills the
+        # step, the interactive one waits behind it.
+        ("fcfs", {"b0": 256}, {"b0": 44, "i0": 40}),
+    ],
+)
+def test_fcfs_policy_is_arrival_order_without_a_harvest_budget(
+    model_folder: Path,
+    policy: str,
+    first_step: dict[str, int],
+    second_step: dict[str, int] | None,
+) -> None:
+    config = EngineConfig(
+        model=str(model_folder),
+        runner="fixed",
+        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
+        tpot_target_s=TARGET,
+        harvest_margin=MARGIN,
+        scheduling_policy=policy,
+    )
+    engine = EngineCore(config)
+    engine.step_model = MODEL
+    outs: list[SchedulerOutput] = []
+    schedule = engine.scheduler.schedule
+
+    def recording(now: float, **kwargs: Any) -> SchedulerOutput:
+        outs.append(schedule(now, **kwargs))
+        return outs[-1]
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    engine.add_request(_request("b0", [100] * 300, 4, PRIORITY_BATCH))
+    engine.add_request(_request("i0", [200] * 40, 4, PRIORITY_INTERACTIVE))
+    engine.step(0.0)
+    engine.step(0.05)
+    assert {s.req_id: s.num_tokens for s in outs[0].scheduled} == first_step
+    if policy == "fcfs":
+        assert {s.req_id: s.num_tokens for s in outs[1].scheduled} == second_step
+        assert engine.last_batch_token_budget is None  # never asked
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo")

@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         scheduler=scheduler,
         tpot_target_s=args.tpot_target,
         harvest_margin=args.harvest_margin,
+        scheduling_policy=args.scheduling_policy,
     )
     try:
         config = ServeConfig(
@@ -140,6 +141,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=float,
         default=0.1,
         help="fraction of --tpot-target kept spare for misprediction (default %(default)s)",
+    )
+    add(
+        "--scheduling-policy",
+        choices=("priority", "fcfs"),
+        default="priority",
+        help="priority: interactive first, batch in the harvest budget; fcfs: arrival order "
+        "(vLLM's default, for comparisons) (default %(default)s)",
     )
     add("--device", default="cpu", help="cpu or cuda (default %(default)s)")
     add("--dtype", default="float32", help="float32 or bfloat16 (default %(default)s)")

@@ -91,8 +91,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tpot_target_s: float = 0.06
     harvest_margin: float = 0.1
+    # "priority": interactive before batch, batch inside the harvest budget. "fcfs": one
+    # class in arrival order and no harvest budget (vLLM's default), for comparisons.
+    scheduling_policy: str = "priority"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError(
+                f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}"
+            )
         if self.tpot_target_s <= 0:
             raise ValueError(f"tpot_target_s must be positive, got {self.tpot_target_s}")
         if not 0 <= self.harvest_margin < 1:

@@ -152,7 +152,8 @@ class EngineCore:
                 request.sampling_params,
                 arrival_time=request.arrival_time,
                 eos_token_id=self.eos_token_id,
-                priority=request.priority,
+                # FCFS: one class, so arrival order alone decides.
+                priority=request.priority if self.config.scheduling_policy == "priority" else 0,
                 deadline=request.deadline,
             )
         )
@@ -169,7 +170,8 @@ class EngineCore:
 
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
-        scheduler_output = self.scheduler.schedule(now, batch_token_budget=self._harvest_budget)
+        harvest = self._harvest_budget if self.config.scheduling_policy == "priority" else None
+        scheduler_output = self.scheduler.schedule(now, batch_token_budget=harvest)
         features = step_features(scheduler_output)
         if scheduler_output.is_empty:
             self.last_prediction = None
