@@ -1,0 +1,683 @@
+"""Mixed load: interactive streams at ~30% of capacity beside a saturating batch, on this
+CPU with the bundled model, tokenfleet's priority policy against FCFS and the peers.
+
+    calibrate ─► (a) interactive alone ─► (b) batch alone ─► (c) both, priority
+              ─► (d) both, fcfs ─► (e) each peer, both       (a fresh server for each)
+
+Calibration, on a fresh `tokenfleet serve` (priority policy, --num-threads, a temporary
+--data-dir): the single-stream decode step (median TPOT of greedy streams), the prefill
+rate (median TTFT of a ~1,000-token prompt alone), and a closed-loop probe at the
+workload's mean lengths (1, 2, 4, ... concurrent streams; capacity = the most requests/s
+of a level whose TPOT p90 and TTFT p90 stay within the targets). Then
+
+    TPOT target = 2 x the single-stream decode step
+    TTFT target = 2 x the TTFT of the workload's p90 prompt alone (p90 / prefill rate)
+    interactive rate = --load x capacity (default 0.3)
+
+and every tokenfleet server of the run is started with --tpot-target / --ttft-target.
+Each configuration runs the same seeded `tokenfleet bench` workload (ignore_eos,
+lognormal lengths capped to --max-model-len). Batch tokens/s is counted over the
+interactive window [0, duration] (the batch is sized to outlast it): from the server's
+per-class token counters (/metrics) for the Batch API, from the streamed tokens for
+concurrent batch streams (the peers). Ratios: interactive TPOT p99 (c)/(a) (goal <= 1.2)
+and batch tokens/s (c)/(b) (goal >= 0.6); (d) likewise against (a) and (b).
+
+    .venv/bin/python bench/mixed_load.py                          # everything (about an hour)
+    .venv/bin/python bench/mixed_load.py --quick --configs a,b,c  # a smoke run (~5 minutes)
+
+Writes mixed_load.json and mixed_load.png into --out (bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from offline_throughput import cpu_busy_fraction, format_table, machine_info
+
+from tokenfleet.loadgen.client import Endpoint, RequestRecord, stream_request
+from tokenfleet.loadgen.report import percentile
+from tokenfleet.loadgen.run import BenchConfig, BenchResult, run_bench
+from tokenfleet.loadgen.workload import RequestSpec, WorkloadConfig, build_workload, prompt_text
+
+RESULT_NAME = "mixed_load"
+HERE = Path(__file__).resolve().parent
+SERVE_PEER = HERE / "peers" / "serve-peer"
+PEERS = ("vllm", "llama-q4_1", "llama-f32")
+OURS = {  # config: (policy, interactive?, batch?)
+    "a": ("priority", True, False),
+    "b": ("priority", False, True),
+    "c": ("priority", True, True),
+    "d": ("fcfs", True, True),
+}
+LABELS = {
+    "a": "(a) interactive alone",
+    "b": "(b) batch alone",
+    "c": "(c) mixed, priority",
+    "d": "(d) mixed, fcfs",
+}
+GOAL_TPOT_RATIO = 1.2
+GOAL_BATCH_RATIO = 0.6
+BUSY_WARNING = 0.1
+_BATCH_COUNT = re.compile(
+    r'^tokenfleet_time_(?:to_first_token|per_output_token)_seconds_count\{[^}]*priority="batch"'
+    r"[^}]*\}\s+(\S+)$",
+    re.MULTILINE,
+)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# -- servers: each in its own process group, stopped whole ----------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+def _stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    """SIGTERM to the process's group, SIGKILL to what is left after timeout_s."""
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            process.poll()  # reap the leader: a zombie still counts as one of the group
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+def _wait_ready(server: Server, path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() not in (None, 0):  # serve-peer exits 0 once its peer answers
+            raise RuntimeError(f"{server.name} did not start: {server.log.read_text()[-3000:]}")
+        try:
+            if httpx.get(server.url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(
+        f"{server.name} not ready in {timeout_s} s: {server.log.read_text()[-3000:]}"
+    )
+
+
+@contextmanager
+def started(
+    name: str,
+    argv: list[str],
+    url: str,
+    ready_path: str,
+    log_path: Path,
+    env: dict[str, str] | None,
+    timeout_s: float,
+) -> Iterator[Server]:
+    with log_path.open("wb") as sink:
+        process = subprocess.Popen(
+            argv,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # the server and all it starts share this group
+            env=None if env is None else os.environ | env,
+        )
+    server = Server(name, url, process, log_path)
+    try:
+        log(f"starting {name} ({url}) ...")
+        t0 = time.monotonic()
+        _wait_ready(server, ready_path, timeout_s)
+        log(f"{name} ready in {time.monotonic() - t0:.0f} s")
+        yield server
+    finally:
+        _stop_group(process)
+        process.wait()
+
+
+def tokenfleet_server(
+    args: argparse.Namespace, tmp: Path, name: str, policy: str, targets: tuple[float, float] | None
+) -> Any:
+    port = free_port()
+    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
+    argv += ["--scheduling-policy", policy, "--num-threads", str(args.num_threads)]
+    argv += ["--max-model-len", str(args.max_model_len)]
+    argv += ["--data-dir", tempfile.mkdtemp(prefix=f"{name}-data-", dir=tmp)]
+    if targets is None:  # calibration: nothing refused
+        argv += ["--ttft-target", "3600"]
+    else:
+        argv += ["--ttft-target", f"{targets[0]:.4f}", "--tpot-target", f"{targets[1]:.4f}"]
+    url = f"http://127.0.0.1:{port}"
+    return started(name, argv, url, "/health", tmp / f"{name}.log", None, 300)
+
+
+def peer_server(args: argparse.Namespace, tmp: Path, name: str) -> Any:
+    port = free_port()
+    env = {
+        "THREADS": str(args.num_threads),
+        "CTX_PER_SLOT": str(args.max_model_len),
+        "LOG_DIR": str(tmp),
+    }
+    argv = [str(SERVE_PEER), name, str(port)]
+    url = f"http://127.0.0.1:{port}"
+    return started(name, argv, url, "/v1/models", tmp / f"serve-peer-{name}.log", env, 960)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- calibration ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GreedyEndpoint(Endpoint):
+    """Calibration streams: greedy, so that nothing but the step is measured."""
+
+    def body(self, spec: RequestSpec, prompt: str, *, stream: bool) -> dict[str, Any]:
+        return super().body(spec, prompt, stream=stream) | {"temperature": 0}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    decode_step_s: float  # median TPOT of a single greedy stream
+    prefill_tokens_per_s: float  # prefill_probe_len / median TTFT of it alone
+    prefill_probe_len: int
+    p90_prompt_len: int
+    mean_prompt_len: int
+    mean_output_len: int
+    tpot_target_s: float
+    ttft_target_s: float
+    probe: list[dict[str, float]]  # per concurrency: req/s, TPOT p90, TTFT p90
+    capacity_rps: float
+    rate_rps: float  # --load x capacity
+
+
+async def _streams(
+    url: str,
+    specs: list[RequestSpec],
+    workload: WorkloadConfig,
+    concurrency: int,
+    until_s: float | None = None,
+) -> list[RequestRecord]:
+    """specs streamed `concurrency` at a time (closed loop); none started after until_s."""
+    async with httpx.AsyncClient(timeout=600) as http:
+        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
+        endpoint = GreedyEndpoint(url, "openai", model)
+        t0 = time.perf_counter()
+        queue = list(reversed(specs))
+        records: list[RequestRecord] = []
+
+        def clock() -> float:
+            return time.perf_counter() - t0
+
+        async def worker() -> None:
+            while queue and (until_s is None or clock() < until_s):
+                spec = queue.pop()
+                record = RequestRecord.of(spec)
+                await stream_request(
+                    http, endpoint, spec, prompt_text(workload, spec), record, clock, timeout_s=600
+                )
+                records.append(record)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return records
+
+
+def _spec(name: str, prompt_len: int, output_len: int) -> RequestSpec:
+    return RequestSpec(f"cal-{name}", "interactive", 0.0, prompt_len, output_len)
+
+
+def _median(values: list[float | None]) -> float:
+    present = [v for v in values if v is not None]
+    if not present:
+        raise RuntimeError("calibration: no request finished")
+    return statistics.median(present)
+
+
+def calibrate(url: str, args: argparse.Namespace, workload: WorkloadConfig) -> Calibration:
+    lengths = [
+        (s.prompt_len, s.output_len)
+        for s in build_workload(replace(workload, rate=5.0, duration_s=200.0))
+    ]  # a large sample of the workload's interactive lengths
+    mean_prompt = round(statistics.fmean(p for p, _ in lengths))
+    mean_output = round(statistics.fmean(o for _, o in lengths))
+    p90_prompt = round(percentile([p for p, _ in lengths], 90) or mean_prompt)
+    repeats = 2 if args.quick else 5
+    asyncio.run(
+        _streams(url, [_spec(f"warm-{i}", 64, 8) for i in range(2)], workload, 1)
+    )  # warm-up
+    decode = asyncio.run(
+        _streams(url, [_spec(f"decode-{i}", 16, 64) for i in range(repeats)], workload, 1)
+    )
+    step = _median([r.tpot_s for r in decode])
+    prefill = asyncio.run(
+        _streams(
+            url,
+            [_spec(f"prefill-{i}", args.prefill_probe_len, 1) for i in range(repeats)],
+            workload,
+            1,
+        )
+    )
+    rate = args.prefill_probe_len / _median([r.ttft_s for r in prefill])
+    tpot_target = 2 * step
+    ttft_target = 2 * p90_prompt / rate
+    log(
+        f"decode step {step * 1000:.1f} ms, prefill {rate:.0f} tokens/s; targets: TPOT "
+        f"{tpot_target * 1000:.1f} ms, TTFT {ttft_target * 1000:.0f} ms (p90 prompt {p90_prompt})"
+    )
+    probe, capacity = [], 0.0
+    for level in args.probe_levels:
+        specs = [_spec(f"probe{level}-{i}", mean_prompt, mean_output) for i in range(10_000)]
+        records = asyncio.run(_streams(url, specs, workload, level, until_s=args.probe_s))
+        ok = [r for r in records if r.status == "ok"]
+        span = max(r.done_s or 0.0 for r in ok) if ok else math.inf
+        row = {
+            "concurrency": level,
+            "requests_per_s": len(ok) / span,
+            "tpot_p90_s": percentile([t for r in ok if (t := r.tpot_s) is not None], 90) or 0.0,
+            "ttft_p90_s": percentile([t for r in ok if (t := r.ttft_s) is not None], 90) or 0.0,
+        }
+        probe.append(row)
+        within = row["tpot_p90_s"] <= tpot_target and row["ttft_p90_s"] <= ttft_target
+        log(
+            f"probe {level} streams: {row['requests_per_s']:.2f} req/s, TPOT p90 "
+            f"{row['tpot_p90_s'] * 1000:.1f} ms, TTFT p90 {row['ttft_p90_s'] * 1000:.0f} ms"
+            f"{'' if within else ' (over a target)'}"
+        )
+        if not within:
+            break
+        capacity = max(capacity, row["requests_per_s"])
+    if capacity == 0.0:  # even one stream breaks a target: one stream's rate is the capacity
+        capacity = probe[0]["requests_per_s"]
+    return Calibration(
+        step,
+        rate,
+        args.prefill_probe_len,
+        p90_prompt,
+        mean_prompt,
+        mean_output,
+        tpot_target,
+        ttft_target,
+        probe,
+        capacity,
+        args.load * capacity,
+    )
+
+
+# -- one configuration --------------------------------------------------------------------
+
+
+def _batch_tokens(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(v) for v in _BATCH_COUNT.findall(text))
+
+
+async def _bench_windowed(
+    config: BenchConfig, metrics_url: str | None
+) -> tuple[BenchResult, float | None, float]:
+    """The bench run, plus the batch tokens the server counted during [0, duration]."""
+    window = config.workload.duration_s
+
+    async def counted() -> tuple[float | None, float]:
+        if metrics_url is None:
+            await asyncio.sleep(window)
+            return None, window
+        t0, before = time.perf_counter(), await asyncio.to_thread(_batch_tokens, metrics_url)
+        await asyncio.sleep(window)
+        after = await asyncio.to_thread(_batch_tokens, metrics_url)
+        return after - before, time.perf_counter() - t0
+
+    result, (tokens, span) = await asyncio.gather(run_bench(config), counted())
+    return result, tokens, span
+
+
+def run_config(
+    key: str,
+    server: Server,
+    args: argparse.Namespace,
+    workload: WorkloadConfig,
+    cal: Calibration,
+    num_batch: int,
+    tmp: Path,
+) -> dict[str, Any]:
+    peer = key in PEERS
+    interactive, batch = (True, True) if peer else OURS[key][1:]
+    config = BenchConfig(
+        url=server.url,
+        out=tmp / f"bench-{key}",
+        batch_mode="concurrent" if peer else "api",
+        batch_concurrency=args.peer_batch_concurrency,
+        batch_priority=None,  # peers run FCFS (vLLM refuses `priority` without the policy)
+        ttft_target_s=cal.ttft_target_s,
+        tpot_target_s=cal.tpot_target_s,
+        drain_s=args.drain,
+        progress=False,
+        workload=replace(
+            workload, rate=cal.rate_rps if interactive else 0.0, num_batch=num_batch if batch else 0
+        ),
+    )
+    log(
+        f"{LABELS.get(key, key)}: {config.workload.rate:.3f} interactive req/s for "
+        f"{workload.duration_s:.0f} s, {config.workload.num_batch} batch requests "
+        f"({config.batch_mode if batch else 'none'}); "
+        f"up to {workload.duration_s + args.drain:.0f} s"
+    )
+    result, counted, span = asyncio.run(_bench_windowed(config, None if peer else server.url))
+    summary = {s.kind: asdict(s) for s in result.summaries}
+    if counted is None:  # streamed: the tokens that arrived within the window
+        window = workload.duration_s
+        counted = sum(
+            sum(t <= window for t in r.token_times_s) for r in result.records if r.kind == "batch"
+        )
+    inter = [r for r in result.records if r.kind == "interactive" and r.status == "ok"]
+    row = {
+        "config": key,
+        "label": LABELS.get(key, f"(e) {key}, mixed"),
+        "server": server.name,
+        "batch_mode": result.batch_mode if batch else "none",
+        "interactive": summary["interactive"],
+        "batch": summary["batch"],
+        "batch_tokens_in_window": counted if batch else None,
+        "batch_tokens_per_s": counted / span if batch else None,
+        "batch_ended_in_window": bool(
+            result.batch_job
+            and result.batch_job.done_s is not None
+            and result.batch_job.done_s < workload.duration_s
+        ),
+        "interactive_ttft_s": sorted(t for r in inter if (t := r.ttft_s) is not None),
+        "interactive_tpot_s": sorted(t for r in inter if (t := r.tpot_s) is not None),
+    }
+    if row["batch_ended_in_window"]:
+        log(f"warning: {key}'s batch ended inside the window: raise --num-batch")
+    log(f"{key} done: " + describe(row))
+    return row
+
+
+def describe(row: dict[str, Any]) -> str:
+    i = row["interactive"]
+    parts = []
+    if i["num_requests"]:
+        parts.append(
+            f"interactive {i['num_ok']}/{i['num_requests']} ok, {i['num_refused']} "
+            f"refused, TPOT p99 {_ms(i['tpot_s']['p99'])} ms, TTFT p99 "
+            f"{_ms(i['ttft_s']['p99'])} ms"
+        )
+    if row["batch_tokens_per_s"] is not None:
+        parts.append(f"batch {row['batch_tokens_per_s']:.1f} tokens/s")
+    return "; ".join(parts)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+# -- the report ---------------------------------------------------------------------------
+
+
+def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per mixed configuration: TPOT p99 against (a), batch tokens/s against (b)."""
+    out = {}
+    alone = rows.get("a", {}).get("interactive", {}).get("tpot_s", {}).get("p99")
+    batch_alone = rows.get("b", {}).get("batch_tokens_per_s")
+    for key, row in rows.items():
+        if key in ("a", "b"):
+            continue
+        tpot = row["interactive"]["tpot_s"]["p99"]
+        tps = row["batch_tokens_per_s"]
+        tpot_ratio = tpot / alone if tpot is not None and alone else None
+        batch_ratio = tps / batch_alone if tps is not None and batch_alone else None
+        out[key] = {
+            "tpot_p99_ratio": tpot_ratio,
+            "tpot_goal_met": None if tpot_ratio is None else tpot_ratio <= GOAL_TPOT_RATIO,
+            "batch_tps_ratio": batch_ratio,
+            "batch_goal_met": None if batch_ratio is None else batch_ratio >= GOAL_BATCH_RATIO,
+        }
+    return out
+
+
+def table(rows: dict[str, dict[str, Any]], rats: dict[str, dict[str, Any]]) -> str:
+    head = [
+        "configuration",
+        "TTFT ms p50/p90/p99",
+        "TPOT ms p50/p90/p99",
+        "ok/sent",
+        "refused",
+        "goodput",
+        "batch tok/s",
+        "TPOT p99 / (a)",
+        "batch / (b)",
+    ]
+    lines = [head]
+    for key, row in rows.items():
+        i = row["interactive"]
+        has = i["num_requests"] > 0
+        r = rats.get(key, {})
+        lines.append(
+            [
+                row["label"],
+                "/".join(_ms(i["ttft_s"][p]) for p in ("p50", "p90", "p99")) if has else "-",
+                "/".join(_ms(i["tpot_s"][p]) for p in ("p50", "p90", "p99")) if has else "-",
+                f"{i['num_ok']}/{i['num_requests']}" if has else "-",
+                str(i["num_refused"]) if has else "-",
+                f"{i['goodput']:.0%}" if has and i["goodput"] is not None else "-",
+                "-" if row["batch_tokens_per_s"] is None else f"{row['batch_tokens_per_s']:.1f}",
+                _ratio(r.get("tpot_p99_ratio"), "<=", GOAL_TPOT_RATIO),
+                _ratio(r.get("batch_tps_ratio"), ">=", GOAL_BATCH_RATIO),
+            ]
+        )
+    return format_table(lines)
+
+
+def _ratio(value: float | None, op: str, goal: float) -> str:
+    if value is None:
+        return "-"
+    met = value <= goal if op == "<=" else value >= goal
+    return f"{value:.2f} ({'met' if met else 'not met'})"
+
+
+def plot(path: Path, rows: dict[str, dict[str, Any]], cal: Calibration) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    keys = list(rows)
+    xs = range(len(keys))
+    ax = axes[0][0]
+    width = 0.4
+    for offset, (name, field) in zip(
+        (-width / 2, width / 2), (("TPOT p99", "tpot_s"), ("TTFT p99 / 10", "ttft_s")), strict=True
+    ):
+        scale = 1000 if field == "tpot_s" else 100
+        values = [(rows[k]["interactive"][field]["p99"] or 0.0) * scale for k in keys]
+        ax.bar([x + offset for x in xs], values, width, label=name)
+    ax.axhline(cal.tpot_target_s * 1000, color="grey", ls="--", label="TPOT target")
+    ax.set_xticks(list(xs), keys)
+    ax.set_ylabel("ms")
+    ax.set_title("interactive p99 by configuration")
+    ax.legend()
+    ax = axes[0][1]
+    ax.bar(list(xs), [rows[k]["batch_tokens_per_s"] or 0.0 for k in keys], color="tab:green")
+    ax.set_xticks(list(xs), keys)
+    ax.set_ylabel("batch output tokens/s (interactive window)")
+    ax.set_title("batch throughput by configuration")
+    for ax, field, target in (
+        (axes[1][0], "interactive_tpot_s", cal.tpot_target_s),
+        (axes[1][1], "interactive_ttft_s", cal.ttft_target_s),
+    ):
+        for key in keys:
+            values = rows[key][field]
+            if values:
+                ys = [n / len(values) for n in range(len(values) + 1)]  # from 0 at the first
+                xs_ms = [v * 1000 for v in values[:1] + values]
+                ax.step(xs_ms, ys, where="post", label=rows[key]["label"])
+        ax.axvline(target * 1000, color="grey", ls="--", label="target")
+        ax.set_xlabel(f"interactive {field[-6:-2].upper()} (ms)")
+        ax.set_ylabel("share of requests")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"interactive {field[-6:-2].upper()} CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add(
+        "--configs",
+        default="a,b,c,d,e",
+        help="a: interactive alone, b: batch alone, c: mixed priority, d: mixed fcfs, "
+        f"e: every installed peer, or a peer by name ({', '.join(PEERS)})",
+    )
+    add("--quick", action="store_true", help="short durations and probes (a smoke run)")
+    add("--duration", type=float, help="seconds of interactive arrivals (300; quick 30)")
+    add("--drain", type=float, help="seconds after --duration (60; quick 15)")
+    add("--load", type=float, default=0.3, help="interactive rate, share of capacity")
+    add("--num-threads", type=int, default=1, help="engine threads (tokenfleet and peers)")
+    add("--max-model-len", type=int, default=2048, help="context cap (servers and lengths)")
+    add("--prompt-len-median", type=int, default=128)
+    add("--output-len-median", type=int, default=32)
+    add("--length-tail", type=float, default=1.0, help="lognormal sigma")
+    add("--seed", type=int, default=0)
+    add("--num-batch", type=int, help="batch requests (default: enough to outlast the run)")
+    add("--peer-batch-concurrency", type=int, default=8, help="peers: batch streams in flight")
+    add("--prefill-probe-len", type=int, default=1000, help="prompt tokens for the prefill rate")
+    add("--probe-s", type=float, help="seconds per capacity probe level (20; quick 8)")
+    add("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args(argv)
+    args.duration = args.duration or (30.0 if args.quick else 300.0)
+    args.drain = args.drain if args.drain is not None else (15.0 if args.quick else 60.0)
+    args.probe_s = args.probe_s or (8.0 if args.quick else 20.0)
+    args.probe_levels = (1, 2, 4) if args.quick else (1, 2, 4, 8, 16)
+    keys = []
+    for key in args.configs.split(","):
+        key = key.strip()
+        if key == "e":
+            keys += [p for p in PEERS if p not in keys]
+        elif key in OURS or key in PEERS:
+            keys.append(key)
+        else:
+            parser.error(f"unknown configuration {key!r}")
+    args.keys = keys
+    return args
+
+
+def peer_installed(name: str) -> bool:
+    if name == "vllm":
+        return (HERE / "peers" / "vllm-venv" / "bin" / "vllm").exists()
+    return (HERE / "peers" / "build" / "llama.cpp-build" / "bin" / "llama-server").exists()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    started_at = datetime.now(UTC)
+    busy = cpu_busy_fraction()
+    if busy is not None and busy > BUSY_WARNING:
+        log(f"warning: the CPUs are already {busy:.0%} busy; the figures will be noisy")
+    workload = WorkloadConfig(
+        duration_s=args.duration,
+        max_model_len=args.max_model_len,
+        prompt_len_median=args.prompt_len_median,
+        output_len_median=args.output_len_median,
+        length_tail=args.length_tail,
+        seed=args.seed,
+    )
+    rows: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="tokenfleet-mixed-") as tmp_name:
+        tmp = Path(tmp_name)
+        with tokenfleet_server(args, tmp, "calibration", "priority", None) as server:
+            cal = calibrate(server.url, args, workload)
+        # enough batch work for the whole run even at 20x the single-stream token rate
+        num_batch = args.num_batch or math.ceil(
+            20 / cal.decode_step_s * (args.duration + args.drain) / cal.mean_output_len
+        )
+        log(
+            f"capacity {cal.capacity_rps:.2f} req/s; interactive rate {cal.rate_rps:.3f} req/s;"
+            f" batch {num_batch} requests"
+        )
+        targets = (cal.ttft_target_s, cal.tpot_target_s)
+        for key in args.keys:
+            if key in PEERS and not peer_installed(key):
+                skipped[key] = "not installed (bench/peers/install-*)"
+                log(f"skipping {key}: {skipped[key]}")
+                continue
+            try:
+                if key in PEERS:
+                    context = peer_server(args, tmp, key)
+                else:
+                    context = tokenfleet_server(args, tmp, key, OURS[key][0], targets)
+                with context as server:
+                    rows[key] = run_config(key, server, args, workload, cal, num_batch, tmp)
+            except (RuntimeError, TimeoutError) as exc:
+                if key not in PEERS:
+                    raise
+                skipped[key] = str(exc)[:500]
+                log(f"skipping {key}: it did not start ({str(exc)[:200]})")
+    rats = ratios(rows)
+    print(table(rows, rats))
+    result = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date": started_at.isoformat(timespec="seconds"),
+        "machine": machine_info(args.num_threads) | {"cpu_busy_at_start": busy},
+        "quick": args.quick,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "workload": asdict(workload) | {"num_batch": num_batch, "rate": cal.rate_rps},
+        "calibration": asdict(cal),
+        "goals": {"tpot_p99_ratio_max": GOAL_TPOT_RATIO, "batch_tps_ratio_min": GOAL_BATCH_RATIO},
+        "ratios": rats,
+        "configs": rows,
+        "skipped": skipped,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / f"{RESULT_NAME}.json", args.out / f"{RESULT_NAME}.png"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(png_path, rows, cal)
+    log(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
