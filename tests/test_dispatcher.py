@@ -24,3 +24,43 @@ def test_lease_room_keeps_about_the_queue_target_waiting_and_never_passes_the_de
     in_flight: int, engine_load: tuple[int, int] | None, room: int
 ) -> None:
     assert lease_room(in_flight, engine_load, queue_target=8, depth=64) == room
+
+
+def test_a_result_that_arrives_during_a_commit_is_committed_in_the_next_round() -> None:
+    """The last result must not wait for another completion that may never come."""
+    import asyncio
+    import threading
+    import time
+    from typing import Any
+
+    from tokenfleet.batch.schema import LeasedRequest
+    from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
+
+    committed: list[list[int]] = []
+    in_commit = threading.Event()
+
+    class SlowStore:
+        def complete_many(self, outcomes: list[Any], now: float) -> int:
+            in_commit.set()
+            time.sleep(0.05)
+            committed.append([o.idx for o in outcomes])
+            return len(outcomes)
+
+    def leased(idx: int) -> LeasedRequest:
+        return LeasedRequest("msgbatch_1", idx, f"r{idx}", "{}", 1, 1, "/v1/messages", "anthropic")
+
+    async def go() -> None:
+        dispatcher = BatchDispatcher(
+            SlowStore(),  # type: ignore[arg-type]
+            DispatcherConfig(owner="g", commit_s=0.001),
+            {},
+            ResultFormats(),
+        )
+        first = asyncio.create_task(dispatcher._complete(leased(0), "succeeded", "{}"))
+        while not in_commit.is_set():  # the first commit is now in flight
+            await asyncio.sleep(0.001)
+        second = asyncio.create_task(dispatcher._complete(leased(1), "succeeded", "{}"))
+        await asyncio.wait_for(asyncio.gather(first, second), timeout=5)
+
+    asyncio.run(go())
+    assert committed == [[0], [1]]

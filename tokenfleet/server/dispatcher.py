@@ -245,8 +245,11 @@ class BatchDispatcher:
         await done
 
     async def _commit_soon(self) -> None:
-        await asyncio.sleep(self.config.commit_s)
-        await self._commit()
+        # Outcomes that arrive while a commit is in flight go in the next round: without the
+        # loop, the last of them could wait for a completion that never comes.
+        while self._outcomes:
+            await asyncio.sleep(self.config.commit_s)
+            await self._commit()
 
     async def _commit(self) -> None:
         batch, self._outcomes = self._outcomes, []
