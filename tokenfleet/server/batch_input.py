@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import ijson
+from pydantic import BaseModel
 
 from tokenfleet.batch.schema import NewRequest
 from tokenfleet.server import anthropic_api, openai_api
@@ -29,48 +30,43 @@ PREFIX_CHARS = 2048  # requests whose first this many characters agree are lease
 
 @dataclass(frozen=True)
 class Endpoint:
-    """What a batch may call: how its params are checked and how one is run."""
+    """What a batch may call: its request model and the sync API's own prepare and run
+    steps, so a batch request is checked and run exactly as a sync call is."""
 
     path: str
-    check: Callable[[GenerationService, dict[str, Any]], None]
-    run: Callable[[GenerationService, dict[str, Any]], Awaitable[dict[str, Any]]]
+    model: type[BaseModel]
+    prepare: Callable[[GenerationService, Any], Any]
+    run_call: Callable[[GenerationService, Any, str], Awaitable[dict[str, Any]]]
 
+    def check(self, service: GenerationService, params: dict[str, Any]) -> None:
+        self.prepare(service, parse_body(params, self.model))
 
-def _check_message(service: GenerationService, params: dict[str, Any]) -> None:
-    anthropic_api.prepare_message(service, parse_body(params, anthropic_api.MessagesRequest))
-
-
-async def _run_message(service: GenerationService, params: dict[str, Any]) -> dict[str, Any]:
-    body = parse_body(params, anthropic_api.MessagesRequest)
-    call = anthropic_api.prepare_message(service, body)
-    return await anthropic_api.run_message(service, call, "batch")
-
-
-def _check_chat(service: GenerationService, params: dict[str, Any]) -> None:
-    openai_api.prepare_chat(service, parse_body(params, openai_api.ChatRequest))
-
-
-async def _run_chat(service: GenerationService, params: dict[str, Any]) -> dict[str, Any]:
-    call = openai_api.prepare_chat(service, parse_body(params, openai_api.ChatRequest))
-    return await openai_api.run_chat(service, call, "batch")
-
-
-def _check_completion(service: GenerationService, params: dict[str, Any]) -> None:
-    openai_api.prepare_completion(service, parse_body(params, openai_api.CompletionRequest))
-
-
-async def _run_completion(service: GenerationService, params: dict[str, Any]) -> dict[str, Any]:
-    body = parse_body(params, openai_api.CompletionRequest)
-    call = openai_api.prepare_completion(service, body)
-    return await openai_api.run_completion(service, call, "batch")
+    async def run(self, service: GenerationService, params: dict[str, Any]) -> dict[str, Any]:
+        call = self.prepare(service, parse_body(params, self.model))
+        return await self.run_call(service, call, "batch")
 
 
 ENDPOINTS = {
     e.path: e
     for e in (
-        Endpoint("/v1/messages", _check_message, _run_message),
-        Endpoint("/v1/chat/completions", _check_chat, _run_chat),
-        Endpoint("/v1/completions", _check_completion, _run_completion),
+        Endpoint(
+            "/v1/messages",
+            anthropic_api.MessagesRequest,
+            anthropic_api.prepare_message,
+            anthropic_api.run_message,
+        ),
+        Endpoint(
+            "/v1/chat/completions",
+            openai_api.ChatRequest,
+            openai_api.prepare_chat,
+            openai_api.run_chat,
+        ),
+        Endpoint(
+            "/v1/completions",
+            openai_api.CompletionRequest,
+            openai_api.prepare_completion,
+            openai_api.run_completion,
+        ),
     )
 }
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")

@@ -13,8 +13,8 @@ from fastapi import Request
 
 from tokenfleet.batch.schema import ResultRow
 from tokenfleet.batch.store import BatchStore
+from tokenfleet.server.body import limited_chunks
 from tokenfleet.server.dispatcher import BatchDispatcher
-from tokenfleet.server.errors import APIError
 from tokenfleet.server.settings import BatchConfig
 
 T = TypeVar("T")
@@ -64,18 +64,9 @@ def owner_of(request: Request) -> str:
 
 async def spool_body(request: Request, limit: int) -> IO[bytes]:
     """The request body in a (spooled) temporary file, refused with 413 past `limit`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(
-            413, "request_too_large", f"request body of {declared} bytes exceeds {limit}"
-        )
     spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY)  # noqa: SIM115 (returned)
     try:
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, "request_too_large", f"request body exceeds {limit} bytes")
+        async for chunk in limited_chunks(request, limit):
             spool.write(chunk)
         spool.seek(0)
     except BaseException:

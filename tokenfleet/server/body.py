@@ -3,6 +3,7 @@ a 4xx that names what is wrong."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import msgspec
@@ -14,19 +15,25 @@ from tokenfleet.server.errors import APIError
 M = TypeVar("M", bound=BaseModel)
 
 
-async def read_body(request: Request, model: type[M]) -> M:
-    limit = request.app.state.config.max_body_bytes
+async def limited_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive; 413 as soon as it is (or declares to be) over
+    `limit` bytes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(
             413, "request_too_large", f"request body of {declared} bytes exceeds {limit}"
         )
-    chunks, size = [], 0
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise APIError(413, "request_too_large", f"request body exceeds {limit} bytes")
-        chunks.append(chunk)
+        yield chunk
+
+
+async def read_body(request: Request, model: type[M]) -> M:
+    limit = request.app.state.config.max_body_bytes
+    chunks = [chunk async for chunk in limited_chunks(request, limit)]
     try:
         data = msgspec.json.decode(b"".join(chunks))
     except msgspec.DecodeError as exc:
