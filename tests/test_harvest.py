@@ -20,6 +20,7 @@ from tokenfleet.harvest import (
     batch_token_cost,
     chunk_cost,
     harvest_budget,
+    prefill_budget,
     step_time_limit,
 )
 from tokenfleet.kv_cache import KVCacheManager
@@ -29,7 +30,13 @@ from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.scheduler import Scheduler
 from tokenfleet.scheduler_output import SchedulerOutput
 from tokenfleet.server.metrics import Metrics
-from tokenfleet.step_model import TERMS, StepFeatures, StepModelConfig, StepTimeModel
+from tokenfleet.step_model import (
+    TERMS,
+    StepFeatures,
+    StepModelConfig,
+    StepTimeModel,
+    step_features,
+)
 
 # Coefficients in ticks of 2^-26 s, so that every prediction below is exact in floats:
 # 7.8 ms a step, 61 us a prefill token, 0.98 ms a decode, 0.95 us a KV token read, 15 ns
@@ -234,6 +241,87 @@ def test_scheduler_refuses_a_negative_answer() -> None:
         scheduler.schedule(0.0, batch_token_budget=lambda chunks: -1)
 
 
+# -- interactive prompts beside interactive streams --------------------------------------
+
+
+def _req(req_id: str, num_tokens: int, num_computed: int = 0, priority: int = 0) -> Request:
+    request = Request(
+        req_id, [1] * num_tokens, SamplingParams(), arrival_time=0.0, priority=priority
+    )
+    request.num_computed_tokens = num_computed
+    return request
+
+
+def _prefill_budget(running: list[Request], waiting: Any = (), min_tokens: int = 16) -> int | None:
+    return prefill_budget(
+        MODEL,
+        running,
+        waiting,
+        max_num_seqs=8,
+        block_size=16,
+        tpot_target_s=TARGET,
+        margin=MARGIN,
+        max_tokens=512,
+        min_tokens=min_tokens,
+    )
+
+
+def test_prompts_are_capped_only_while_streams_decode_beside_them() -> None:
+    decoding, prompt = _req("d", 41, 40), _req("p", 5000, 4000)
+    batch_prompt = _req("b", 3000, priority=PRIORITY_BATCH)
+    assert _prefill_budget([prompt, batch_prompt]) is None  # no stream to protect
+    assert _prefill_budget([decoding, _req("b2", 51, 50, PRIORITY_BATCH)]) is None  # no prompt
+    # Decode at context 41: A + C + 41 D = 592,448 ticks; n prompt tokens from 4,000:
+    # n B + (4000 + n) D + n (4000 + n) E. The most within 3,145,728 ticks: 272.
+    assert _prefill_budget([prompt, decoding, batch_prompt]) == 272
+    step = StepFeatures.of_chunk(1, 40) + StepFeatures.of_chunk(272, 4000)
+    assert MODEL.predict(step) <= LIMIT * TICK
+    assert MODEL.predict(step + StepFeatures(prefill_tokens=1, kv_tokens_read=1)) > LIMIT * TICK
+    # A prompt that takes all it has to go leaves the rest to the next one: 20 + 262.
+    short = _req("s", 20)
+    assert _prefill_budget([decoding, short, prompt]) == 20 + 262
+    assert _prefill_budget([decoding, prompt, short]) == 272  # cut: the next gets nothing
+
+    # A waiting prompt is priced from its last full block (992) but may take all of its
+    # 1,000 tokens; batch requests behind it are never read.
+    def waiting() -> Any:
+        yield _req("w", 1000)
+        yield _req("wb", 5000, priority=PRIORITY_BATCH)
+        raise AssertionError("read past the interactive requests")
+
+    assert _prefill_budget([decoding], waiting()) == 444
+    # Within the step's token budget (512, less the decode).
+    assert _prefill_budget([decoding, _req("p0", 1000)]) == 511
+    # Streams that alone fill the step: the floor, so the prompt still advances.
+    many = [_req(f"d{n}", 41, 40) for n in range(40)]
+    assert MODEL.predict(StepFeatures(decode_seqs=40, kv_tokens_read=40 * 41)) > LIMIT * TICK
+    assert _prefill_budget([*many, prompt]) == 16
+    assert _prefill_budget([*many, prompt], min_tokens=3) == 3
+
+
+def test_scheduler_caps_prompt_chunks_not_decodes() -> None:
+    scheduler = _scheduler(max_num_batched_tokens=64)
+    _add(scheduler, "p", list(range(40)), PRIORITY_INTERACTIVE)
+    _add(scheduler, "d", list(range(100, 110)), PRIORITY_INTERACTIVE)
+    out = scheduler.schedule(0.0, prefill_token_budget=16)
+    assert _planned(out) == [("p", 16, 0)]  # one prompt's worth; d waits its turn
+    scheduler.update(out, ModelRunnerOutput({}))
+    out = scheduler.schedule(1.0)
+    assert _planned(out) == [("p", 24, 16), ("d", 10, 0)]
+    scheduler.update(out, ModelRunnerOutput({"p": 5, "d": 6}))
+    _add(scheduler, "q", list(range(200, 230)), PRIORITY_INTERACTIVE)
+    _add(scheduler, "b", list(range(300, 330)), PRIORITY_BATCH)
+    # p and d decode; q's prompt is cut to the budget; batch is not held to it.
+    out = scheduler.schedule(2.0, prefill_token_budget=7)
+    assert _planned(out) == [("p", 1, 40), ("d", 1, 10), ("q", 7, 0), ("b", 30, 0)]
+    scheduler.update(out, ModelRunnerOutput({"p": 5, "d": 6, "b": 9}))
+    # A prompt already running, ahead of a decode, is cut and the decode still runs.
+    out = scheduler.schedule(3.0, prefill_token_budget=0)
+    assert _planned(out) == [("p", 1, 41), ("d", 1, 11), ("b", 1, 30)]
+    with pytest.raises(ValueError, match="prefill_token_budget must be at least 0, got -1"):
+        scheduler.schedule(4.0, prefill_token_budget=-1)
+
+
 # -- the engine --------------------------------------------------------------------------
 
 
@@ -317,6 +405,51 @@ def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
     assert stats.batch_token_budget == 256
 
 
+def _recording_engine(config: EngineConfig) -> tuple[EngineCore, list[SchedulerOutput]]:
+    """An engine on MODEL whose every planned step is recorded, in order."""
+    engine = EngineCore(config)
+    engine.step_model = MODEL
+    outs: list[SchedulerOutput] = []
+    schedule = engine.scheduler.schedule
+
+    def recording(now: float, **kwargs: Any) -> SchedulerOutput:
+        outs.append(schedule(now, **kwargs))
+        return outs[-1]
+
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    return engine, outs
+
+
+def test_engine_cuts_a_long_prompt_to_keep_streams_within_the_target(model_folder: Path) -> None:
+    config = EngineConfig(
+        model=str(model_folder),
+        runner="fixed",
+        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
+        tpot_target_s=TARGET,
+        harvest_margin=MARGIN,
+        min_prefill_chunk=16,
+    )
+    engine, outs = _recording_engine(config)
+    for n in range(3):
+        engine.add_request(_request(f"s{n}", [200 + n] * 40, 400, PRIORITY_INTERACTIVE))
+    engine.step(0.0)
+    engine.add_request(_request("long", [7] * 6000, 2, PRIORITY_INTERACTIVE))
+    chunks: list[int] = []
+    while "long" in engine.scheduler.requests:
+        engine.step(0.05 * len(outs))
+        planned = {s.req_id: s for s in outs[-1].scheduled}
+        assert {"s0", "s1", "s2"} <= planned.keys()  # every stream gets its token
+        chunk = planned["long"].num_tokens if "long" in planned else 0
+        chunks.append(chunk)
+        predicted = MODEL.predict(step_features(outs[-1]))
+        assert predicted <= LIMIT * TICK  # the floor (16) is never needed here
+    # The prompt in chunks that shrink as its context grows, then its one decode; the
+    # first, while it waited, priced as if most of it were cached (the dearest start).
+    assert sum(chunks) == 6000 + 1 and chunks[-1] == 1
+    assert chunks[1:-1] == sorted(chunks[1:-1], reverse=True)
+    assert 16 < chunks[0] < chunks[1] < 512
+
+
 def test_config_and_stats_defaults() -> None:
     config = EngineConfig()
     assert (config.tpot_target_s, config.harvest_margin) == (0.06, 0.1)
@@ -395,16 +528,7 @@ def test_fcfs_policy_is_arrival_order_without_a_harvest_budget(
         harvest_margin=MARGIN,
         scheduling_policy=policy,
     )
-    engine = EngineCore(config)
-    engine.step_model = MODEL
-    outs: list[SchedulerOutput] = []
-    schedule = engine.scheduler.schedule
-
-    def recording(now: float, **kwargs: Any) -> SchedulerOutput:
-        outs.append(schedule(now, **kwargs))
-        return outs[-1]
-
-    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    engine, outs = _recording_engine(config)
     engine.add_request(_request("b0", [100] * 300, 4, PRIORITY_BATCH))
     engine.add_request(_request("i0", [200] * 40, 4, PRIORITY_INTERACTIVE))
     engine.step(0.0)

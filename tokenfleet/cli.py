@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         scheduler=scheduler,
         tpot_target_s=args.tpot_target,
         harvest_margin=args.harvest_margin,
+        min_prefill_chunk=args.min_prefill_chunk,
         scheduling_policy=args.scheduling_policy,
     )
     try:
@@ -141,6 +142,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=float,
         default=0.1,
         help="fraction of --tpot-target kept spare for misprediction (default %(default)s)",
+    )
+    add(
+        "--min-prefill-chunk",
+        type=int,
+        default=16,
+        help="prompt tokens a step at least, however long the step beside running streams "
+        "is predicted to take (default %(default)s)",
     )
     add(
         "--scheduling-policy",

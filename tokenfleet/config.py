@@ -74,7 +74,9 @@ class EngineConfig:
     compiler is there; "torch" always gathers blocks and calls SDPA.
     The harvest budget (harvest.py): while interactive streams run, batch tokens join a
     step only while its predicted time stays within `tpot_target_s` * (1 -
-    `harvest_margin`); the default target is the reference GPU's.
+    `harvest_margin`); the default target is the reference GPU's. The same limit cuts
+    interactive prompts into chunks while interactive streams decode, down to
+    `min_prefill_chunk` tokens a step (harvest.prefill_budget).
     """
 
     model: str | None = None
@@ -91,6 +93,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tpot_target_s: float = 0.06
     harvest_margin: float = 0.1
+    min_prefill_chunk: int = 16
     # "priority": interactive before batch, batch inside the harvest budget. "fcfs": one
     # class in arrival order and no harvest budget (vLLM's default), for comparisons.
     scheduling_policy: str = "priority"
@@ -102,6 +105,8 @@ class EngineConfig:
             )
         if self.tpot_target_s <= 0:
             raise ValueError(f"tpot_target_s must be positive, got {self.tpot_target_s}")
+        if self.min_prefill_chunk < 1:
+            raise ValueError(f"min_prefill_chunk must be at least 1, got {self.min_prefill_chunk}")
         if not 0 <= self.harvest_margin < 1:
             raise ValueError(f"harvest_margin must be in [0, 1), got {self.harvest_margin}")
         if self.dtype not in _DTYPES:

@@ -28,6 +28,7 @@ from tokenfleet.harvest import (
     batch_candidates,
     batch_token_cost,
     harvest_budget,
+    prefill_budget,
 )
 from tokenfleet.kv_cache import KVCacheManager
 from tokenfleet.model_folder import resolve_model_folder
@@ -170,8 +171,13 @@ class EngineCore:
 
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
-        harvest = self._harvest_budget if self.config.scheduling_policy == "priority" else None
-        scheduler_output = self.scheduler.schedule(now, batch_token_budget=harvest)
+        harvest = prompts = None
+        if self.config.scheduling_policy == "priority":
+            harvest = self._harvest_budget
+            prompts = self._prefill_budget()
+        scheduler_output = self.scheduler.schedule(
+            now, batch_token_budget=harvest, prefill_token_budget=prompts
+        )
         features = step_features(scheduler_output)
         if scheduler_output.is_empty:
             self.last_prediction = None
@@ -185,6 +191,21 @@ class EngineCore:
         self._pending = []
         self.last_step_time = time.monotonic()
         return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
+
+    def _prefill_budget(self) -> int | None:
+        """The step's interactive prompt budget: None unless streams decode beside prompts."""
+        config = self.scheduler.config
+        return prefill_budget(
+            self.step_model,
+            self.scheduler.running,
+            self.scheduler.waiting,
+            max_num_seqs=config.max_num_seqs,
+            block_size=self.kv.block_size,
+            tpot_target_s=self.config.tpot_target_s,
+            margin=self.config.harvest_margin,
+            max_tokens=config.max_num_batched_tokens,
+            min_tokens=self.config.min_prefill_chunk,
+        )
 
     def _harvest_budget(self, interactive_chunks: list[tuple[int, int]]) -> int:
         """The step's batch token budget, given its planned interactive chunks as

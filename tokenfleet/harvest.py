@@ -12,7 +12,16 @@ held back); with no interactive work in the step, batch gets every token left.
 
 The scheduler asks for the budget once it has planned the interactive classes
 (`Scheduler.schedule(batch_token_budget=callable)`), so the interactive part is the
-step's own, not an estimate. Torch-free and pure: the engine and the simulator call it.
+step's own, not an estimate.
+
+The same bound protects streams from interactive prompts too (prefill_budget): while
+interactive requests decode, the prompts still being prefilled share a token budget that
+keeps decodes + prompt chunks within the limit, so a long prompt arriving among streams
+is cut into chunks instead of stalling them for a whole 512-token chunk. It never goes
+below a floor (`min_tokens`), so a prompt always advances: where even a one-token chunk
+of it is predicted over the limit (a prompt late in a long context, on slow hardware),
+the floor decides between its TTFT and the streams' gap. Torch-free and pure: the engine
+and the simulator call it.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import islice
+from itertools import islice, takewhile
 from typing import Protocol
 
 from tokenfleet.request import Request
@@ -129,3 +138,72 @@ def harvest_budget(
     while budget > 0 and budget * cost.per_token > spare:  # the division rounded up
         budget -= 1
     return budget
+
+
+def prefill_budget(
+    model: StepCost,
+    running: Iterable[Request],
+    waiting: Iterable[Request],
+    *,
+    max_num_seqs: int,
+    block_size: int,
+    tpot_target_s: float,
+    margin: float,
+    max_tokens: int,
+    min_tokens: int,
+) -> int | None:
+    """The token budget of a step's interactive prompt chunks, or None for no cap.
+
+    No cap unless interactive requests decode this step and others wait for (part of)
+    their prompt. Otherwise the prompts are priced in the order the scheduler serves them
+    (running ones from where they are, then the first `max_num_seqs` waiting ones): each
+    gets the most tokens that keep the predicted step within step_time_limit(), and the
+    next one is priced only if the one before could take all it has to go. A waiting
+    request is priced from its latest possible start (after its cached full blocks), the
+    dearest, but may take its whole prompt. At least `min_tokens`, at most `max_tokens`.
+    """
+    step = StepFeatures()
+    num_decodes = 0
+    prompts: list[tuple[int, int]] = []  # (start, most tokens it can take)
+    for request in running:
+        if not request.is_interactive:
+            continue
+        num_to_go = request.num_tokens - request.num_computed_tokens
+        if num_to_go == 1:
+            step += StepFeatures.of_chunk(1, request.num_computed_tokens)
+            num_decodes += 1
+        elif num_to_go > 1:
+            prompts.append((request.num_computed_tokens, num_to_go))
+    if not num_decodes:
+        return None
+    # Pop order puts interactive first: stop at the first batch request, not scan them.
+    waiting_interactive = takewhile(lambda r: r.is_interactive, waiting)
+    for request in islice(waiting_interactive, max_num_seqs):
+        num_tokens = request.num_tokens
+        prompts.append(((num_tokens - 1) // block_size * block_size, num_tokens))
+    if not prompts:
+        return None
+    limit = step_time_limit(tpot_target_s, margin)
+    budget = 0
+    for start, num_to_go in prompts:
+        n = _most_tokens(
+            model, step, start, min(num_to_go, max_tokens - num_decodes - budget), limit
+        )
+        budget += n
+        if n < num_to_go:
+            break
+        step += StepFeatures.of_chunk(n, start)
+    return max(0, min(max(budget, min_tokens), max_tokens - num_decodes))
+
+
+def _most_tokens(model: StepCost, step: StepFeatures, start: int, most: int, limit: float) -> int:
+    """The largest n <= most with step + a chunk of n tokens from `start` predicted within
+    `limit` (0 if none): a binary search, the prediction growing with n."""
+    low, high = 0, max(most, 0)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if model.predict(step + StepFeatures.of_chunk(mid, start)) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    return low

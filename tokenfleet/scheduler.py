@@ -10,7 +10,10 @@ interactive 0, batch 1) and each step serves them class by class, most urgent fi
 Batch classes also stay within the step's `batch_token_budget` (the harvest budget,
 given, or asked for once the interactive classes are planned: harvest.py) and leave the
 interactive reserve free (`reserve.py`); a batch request held back by the reserve alone
-waits with its blocks.
+waits with its blocks. Interactive prompts still being prefilled share the step's
+`prefill_token_budget`, when one is given: the engine sets it while interactive streams
+decode, so that a long prompt arriving among them is cut into chunks that keep their
+steps within the TPOT target (harvest.prefill_budget).
 
 When blocks or sequence slots run out, the victim is the least urgent class first, the
 newest within it, and never more urgent than the request that needs the room: a waiting
@@ -50,25 +53,33 @@ class _StepPlan:
 
     budget: int
     batch_budget: int | None
+    prefill_budget: int | None = None  # interactive prefill chunks, when capped
     num_scheduled: dict[str, int] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
 
-    def tokens_for(self, request: Request) -> int:
-        if request.is_interactive or self.batch_budget is None:
+    def tokens_for(self, request: Request, num_to_go: int) -> int:
+        """The most tokens `request` may get, with `num_to_go` left to compute."""
+        if request.is_interactive:
+            if num_to_go > 1 and self.prefill_budget is not None:
+                return min(self.budget, self.prefill_budget)
+            return self.budget
+        if self.batch_budget is None:
             return self.budget
         return min(self.budget, self.batch_budget)
 
-    def give(self, request: Request, num_tokens: int) -> None:
+    def give(self, request: Request, num_tokens: int, num_to_go: int) -> None:
         self.num_scheduled[request.req_id] = num_tokens
         self.budget -= num_tokens
         if not request.is_interactive and self.batch_budget is not None:
             self.batch_budget -= num_tokens
+        if request.is_interactive and num_to_go > 1 and self.prefill_budget is not None:
+            self.prefill_budget -= num_tokens
 
 
-def _checked_budget(batch_token_budget: int | None) -> int | None:
-    if batch_token_budget is not None and batch_token_budget < 0:
-        raise ValueError(f"batch_token_budget must be at least 0, got {batch_token_budget}")
-    return batch_token_budget
+def _checked_budget(budget: int | None, name: str = "batch_token_budget") -> int | None:
+    if budget is not None and budget < 0:
+        raise ValueError(f"{name} must be at least 0, got {budget}")
+    return budget
 
 
 class Scheduler:
@@ -126,14 +137,23 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------
 
     def schedule(
-        self, now: float, *, batch_token_budget: int | BatchTokenBudget | None = None
+        self,
+        now: float,
+        *,
+        batch_token_budget: int | BatchTokenBudget | None = None,
+        prefill_token_budget: int | None = None,
     ) -> SchedulerOutput:
         """Plan one step. `batch_token_budget` caps the tokens of all batch requests in
         it (the harvest budget), or is asked for it; interactive requests are never held
-        to it."""
+        to it. `prefill_token_budget` caps the tokens of interactive requests with more
+        than one token to go (prompts), not their decodes."""
         ask = batch_token_budget if callable(batch_token_budget) else None
         given = None if callable(batch_token_budget) else batch_token_budget
-        plan = _StepPlan(self.config.max_num_batched_tokens, _checked_budget(given))
+        plan = _StepPlan(
+            self.config.max_num_batched_tokens,
+            _checked_budget(given),
+            _checked_budget(prefill_token_budget, "prefill_token_budget"),
+        )
         self.reserve_blocks = self.reserve.blocks(now)
         for priority in sorted({r.priority for r in self.running} | set(self.waiting.priorities)):
             if ask is not None and priority > PRIORITY_INTERACTIVE:
@@ -163,24 +183,27 @@ class Scheduler:
         for request in [r for r in self.running if r.priority == priority]:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted for one served before it in this loop
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens, plan.tokens_for(request)
-            )
+            num_to_go = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_to_go, plan.tokens_for(request, num_to_go))
             if num_new == 0:
-                return
+                if plan.budget == 0:
+                    return
+                continue  # a capped prompt: the decodes after it still run
             if self._make_room_to_grow(plan, request, num_new):
-                plan.give(request, num_new)
+                plan.give(request, num_new, num_to_go)
 
     def _schedule_waiting(self, plan: _StepPlan, priority: int) -> None:
         # Only while the head of the whole queue is of this class: a request never gets
         # in ahead of a more urgent one still waiting.
         while self.waiting and self.waiting.peek().priority == priority:
             request = self.waiting.peek()
-            num_budget = plan.tokens_for(request)
-            if num_budget == 0:
+            if plan.tokens_for(request, request.num_tokens) == 0:
                 return
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, num_budget)
+            num_to_go = request.num_tokens - num_cached
+            num_new = min(num_to_go, plan.tokens_for(request, num_to_go))
+            if num_new == 0:
+                return
             if not self._make_room_to_admit(plan, request, num_new, computed_blocks):
                 return
             self.kv.allocate_slots(request, num_new, computed_blocks)
@@ -192,7 +215,7 @@ class Scheduler:
             # At the end of its class: running stays sorted by priority.
             at = bisect.bisect_right(self.running, priority, key=lambda r: r.priority)
             self.running.insert(at, request)
-            plan.give(request, num_new)
+            plan.give(request, num_new, num_to_go)
 
     def _make_room_to_grow(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
         """Allocate for a running request, preempting others (or itself) when short."""
