@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -64,16 +64,21 @@ RESULT_NAME = "mixed_load"
 HERE = Path(__file__).resolve().parent
 SERVE_PEER = HERE / "peers" / "serve-peer"
 PEERS = ("vllm", "llama-q4_1", "llama-f32")
-OURS = {  # config: (policy, interactive?, batch?)
-    "a": ("priority", True, False),
-    "b": ("priority", False, True),
-    "c": ("priority", True, True),
-    "d": ("fcfs", True, True),
+# The harvest margin of configuration c2: a step limit of 0.6 x the TPOT target, which is
+# 1.2 x the single-stream decode step when the target is 2 x that step, the ratio.
+TIGHT_MARGIN = 0.4
+OURS = {  # config: (policy, interactive?, batch?, extra serve arguments)
+    "a": ("priority", True, False, []),
+    "b": ("priority", False, True, []),
+    "c": ("priority", True, True, []),
+    "c2": ("priority", True, True, ["--harvest-margin", str(TIGHT_MARGIN)]),
+    "d": ("fcfs", True, True, []),
 }
 LABELS = {
     "a": "(a) interactive alone",
     "b": "(b) batch alone",
     "c": "(c) mixed, priority",
+    "c2": f"(c2) mixed, priority, margin {TIGHT_MARGIN}",
     "d": "(d) mixed, fcfs",
 }
 GOAL_TPOT_RATIO = 1.2
@@ -166,7 +171,12 @@ def started(
 
 
 def tokenfleet_server(
-    args: argparse.Namespace, tmp: Path, name: str, policy: str, targets: tuple[float, float] | None
+    args: argparse.Namespace,
+    tmp: Path,
+    name: str,
+    policy: str,
+    targets: tuple[float, float] | None,
+    extra: Sequence[str] = (),
 ) -> Any:
     port = free_port()
     argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
@@ -177,6 +187,7 @@ def tokenfleet_server(
         argv += ["--ttft-target", "3600"]
     else:
         argv += ["--ttft-target", f"{targets[0]:.4f}", "--tpot-target", f"{targets[1]:.4f}"]
+    argv += list(extra)
     url = f"http://127.0.0.1:{port}"
     return started(name, argv, url, "/health", tmp / f"{name}.log", None, 300)
 
@@ -374,7 +385,7 @@ def run_config(
     tmp: Path,
 ) -> dict[str, Any]:
     peer = key in PEERS
-    interactive, batch = (True, True) if peer else OURS[key][1:]
+    interactive, batch = (True, True) if peer else OURS[key][1:3]
     config = BenchConfig(
         url=server.url,
         out=tmp / f"bench-{key}",
@@ -565,8 +576,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = parser.add_argument
     add(
         "--configs",
-        default="a,b,c,d,e",
-        help="a: interactive alone, b: batch alone, c: mixed priority, d: mixed fcfs, "
+        default="a,b,c,c2,d,e",
+        help="a: interactive alone, b: batch alone, c: mixed priority, c2: c with harvest "
+        f"margin {TIGHT_MARGIN}, d: mixed fcfs, "
         f"e: every installed peer, or a peer by name ({', '.join(PEERS)})",
     )
     add("--quick", action="store_true", help="short durations and probes (a smoke run)")
@@ -648,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
                 if key in PEERS:
                     context = peer_server(args, tmp, key)
                 else:
-                    context = tokenfleet_server(args, tmp, key, OURS[key][0], targets)
+                    policy, _, _, extra = OURS[key]
+                    context = tokenfleet_server(args, tmp, key, policy, targets, extra)
                 with context as server:
                     rows[key] = run_config(key, server, args, workload, cal, num_batch, tmp)
             except (RuntimeError, TimeoutError) as exc:
