@@ -1,0 +1,98 @@
+"""A pool of replicas that serve the same traffic, and the three fleet policies.
+
+A pool takes interactive traffic (through the router), batch work (through the
+dispatcher's leasing), or both, and may be autoscaled. A fleet policy is a set of pools:
+
+    separate   an interactive pool and a batch pool (priority scheduling in each; batch
+               replicas never see an interactive request, so never need the harvest)
+    fcfs       one pool, both kinds, the engine's scheduling_policy="fcfs": one class in
+               arrival order, no harvest budget
+    priority   one pool, both kinds, priority classes + the harvest budget
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenfleet.sim.autoscaler import AutoscalerConfig, AutoscalerState
+from tokenfleet.sim.replica import SimReplica
+
+FLEET_POLICIES = ("separate", "fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    name: str
+    interactive: bool
+    batch: bool
+    policy: str  # the replicas' scheduling policy: "priority" or "fcfs"
+    replicas: int
+    autoscaler: AutoscalerConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or not (self.interactive or self.batch):
+            raise ValueError(f"pool {self.name!r}: needs replicas and some traffic")
+
+
+@dataclass(frozen=True)
+class FleetPolicy:
+    name: str
+    pools: tuple[PoolSpec, ...]
+
+
+def fleet_policy(
+    name: str,
+    replicas: int,
+    *,
+    interactive_replicas: int | None = None,
+    autoscaler: AutoscalerConfig | None = None,
+) -> FleetPolicy:
+    """One of FLEET_POLICIES over `replicas` in all; `separate` gives the interactive pool
+    `interactive_replicas` of them (half by default)."""
+    if name == "separate":
+        num_interactive = interactive_replicas or max(1, replicas // 2)
+        if not 1 <= num_interactive < replicas:
+            raise ValueError("separate pools need 1 <= interactive_replicas < replicas")
+        return FleetPolicy(
+            name,
+            (
+                PoolSpec("interactive", True, False, "priority", num_interactive, autoscaler),
+                PoolSpec("batch", False, True, "priority", replicas - num_interactive, autoscaler),
+            ),
+        )
+    if name in ("fcfs", "priority"):
+        return FleetPolicy(name, (PoolSpec(name, True, True, name, replicas, autoscaler),))
+    raise ValueError(f"fleet policy must be one of {FLEET_POLICIES}, got {name!r}")
+
+
+@dataclass
+class Pool:
+    """A pool's replicas at run time: serving, draining (finishing what they hold before
+    they go) and asked for but still starting."""
+
+    index: int
+    spec: PoolSpec
+    replicas: dict[int, SimReplica] = field(default_factory=dict)
+    serving: list[int] = field(default_factory=list)  # take new work, in id order
+    draining: set[int] = field(default_factory=set)
+    num_starting: int = 0
+    started_at: dict[int, float] = field(default_factory=dict)
+    batch_in_flight: dict[int, int] = field(default_factory=dict)
+    autoscaler_state: AutoscalerState = field(default_factory=AutoscalerState)
+    # The autoscaler's window: interactive requests finished and those within targets,
+    # batch output tokens made.
+    window_finished: int = 0
+    window_met: int = 0
+    window_batch_tokens: int = 0
+
+    @property
+    def size(self) -> int:
+        """Replicas the autoscaler counts: serving and starting."""
+        return len(self.serving) + self.num_starting
+
+    def take_window(self) -> tuple[float | None, int]:
+        """(SLO attainment, batch output tokens) since the last call."""
+        attainment = self.window_met / self.window_finished if self.window_finished else None
+        tokens = self.window_batch_tokens
+        self.window_finished = self.window_met = self.window_batch_tokens = 0
+        return attainment, tokens
