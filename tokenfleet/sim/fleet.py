@@ -192,7 +192,7 @@ class Simulation:
                 if request.first_token_at is None:
                     request.first_token_at = time
                     if arrival.kind == INTERACTIVE:
-                        router.prefilled(replica_id, arrival.prompt_len)
+                        router.prefilled(replica_id, request.routed_tokens)
                 if output.finish_reason is None:
                     continue
                 del self._requests[output.req_id]
@@ -223,8 +223,9 @@ class Simulation:
             self.metrics.classes[INTERACTIVE].num_refused += 1
             return
         prompt = prompt_token_ids(arrival)
-        replica_id = self.routers[pool.index].route(prompt, pool.serving)
+        replica_id, num_tokens = self.routers[pool.index].route(prompt, pool.serving)
         self._admit(pool, replica_id, arrival, prompt, PRIORITY_INTERACTIVE)
+        self._requests[arrival.req_id].routed_tokens = num_tokens
         self._start(pool.replicas[replica_id])
 
     def _admit(

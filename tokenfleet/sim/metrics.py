@@ -48,6 +48,7 @@ class InFlight:
     pool: int
     replica_id: int
     first_token_at: float | None = None
+    routed_tokens: int = 0  # prompt tokens the router believed it had to prefill
 
 
 @dataclass

@@ -52,35 +52,38 @@ class Router:
         """Stop routing to it (drained); its prefix entries are dropped as they come up."""
         self.views.pop(replica_id, None)
 
-    def route(self, prompt: Sequence[int], candidates: Sequence[int]) -> int:
-        """The replica (one of `candidates`) for a request with this prompt."""
+    def route(self, prompt: Sequence[int], candidates: Sequence[int]) -> tuple[int, int]:
+        """The replica (one of `candidates`) for a request with this prompt, and the
+        prompt tokens it is believed to have to prefill (to pass to `prefilled`)."""
         assert candidates, "no replica to route to"
         hashes = self._hashes(prompt)
         least = min(self.views[r].num_requests for r in candidates)
-        best, best_score = candidates[0], float("inf")
+        best, best_score, best_uncached = candidates[0], float("inf"), len(prompt)
         for replica_id in candidates:
             view = self.views[replica_id]
             if view.num_requests > least + self.config.max_imbalance:
                 continue
             cached = self._cached_blocks(hashes, replica_id) * self.block_size
+            uncached = max(len(prompt) - cached, 0)
             score = (
-                max(len(prompt) - cached, 0)
+                uncached
                 + view.queued_prefill_tokens
                 + self.config.decode_weight * view.num_requests
             )
             if score < best_score:
-                best, best_score = replica_id, score
+                best, best_score, best_uncached = replica_id, score, uncached
         self._remember(hashes, best)
         view = self.views[best]
         view.num_requests += 1
-        view.queued_prefill_tokens += len(prompt)
-        return best
+        view.queued_prefill_tokens += best_uncached
+        return best, best_uncached
 
-    def prefilled(self, replica_id: int, prompt_len: int) -> None:
-        """The replica sampled a routed request's first token."""
+    def prefilled(self, replica_id: int, num_tokens: int) -> None:
+        """The replica sampled the first token of a request routed with `num_tokens` to
+        prefill."""
         view = self.views.get(replica_id)
         if view is not None:
-            view.queued_prefill_tokens -= prompt_len
+            view.queued_prefill_tokens -= num_tokens
 
     def finished(self, replica_id: int) -> None:
         view = self.views.get(replica_id)

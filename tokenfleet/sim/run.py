@@ -1,0 +1,112 @@
+"""Runs a SimConfig: the cost model, the workload, one Simulation per fleet policy.
+
+Every policy sees the same arrivals and jobs (made from the same seed, or the same
+trace), so their results differ by the policy alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from itertools import accumulate
+
+from tokenfleet.harvest import StepCost
+from tokenfleet.sim.config import SimConfig
+from tokenfleet.sim.cost_model import RooflineCost, load_coefficients, profile_step_model
+from tokenfleet.sim.dispatch import JobState
+from tokenfleet.sim.fleet import JobSubmission, SimSettings, Simulation
+from tokenfleet.sim.metrics import Metrics
+from tokenfleet.sim.pool import FleetPolicy
+from tokenfleet.sim.trace import read_trace
+from tokenfleet.sim.workload import INTERACTIVE, Arrival, batch_requests, interactive_arrivals
+
+
+@dataclass
+class PolicyResult:
+    policy: FleetPolicy
+    metrics: Metrics
+    jobs: list[JobState]
+    wall_s: float
+
+
+def cost_models(config: SimConfig) -> tuple[StepCost, StepCost]:
+    """(what steps take, what the replicas' schedulers believe they take)."""
+    cost: StepCost
+    if config.coefficients is not None:
+        cost = load_coefficients(config.coefficients)
+    else:
+        cost = RooflineCost(config.deployment)
+    sched = config.replica.scheduler
+    model = profile_step_model(
+        cost, sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
+    )
+    return cost, model
+
+
+def interactive_stream(config: SimConfig) -> Iterator[Arrival]:
+    if config.trace is not None:
+        return (a for a, _ in read_trace(config.trace) if a.kind == INTERACTIVE)
+    return interactive_arrivals(config.interactive, config.duration_s, config.seed)
+
+
+def job_submissions(config: SimConfig) -> list[JobSubmission]:
+    if config.trace is not None:
+        return _trace_jobs(config)
+    sizes = [job.num_requests for job in config.batch_jobs]
+    firsts = [0, *accumulate(sizes)]
+    return [
+        JobSubmission(
+            i,
+            job.submit_s,
+            job.deadline_s,
+            job.num_requests,
+            job.lengths.output_median,
+            partial(batch_requests, job, i, firsts[i], config.seed),
+        )
+        for i, job in enumerate(config.batch_jobs)
+    ]
+
+
+def _trace_jobs(config: SimConfig) -> list[JobSubmission]:
+    """The trace's batch lines, one job per `job` value, submitted at its first line."""
+    assert config.trace is not None
+    jobs: dict[int, list[Arrival]] = {}
+    deadlines: dict[int, float] = {}
+    for arrival, deadline_s in read_trace(config.trace):
+        if arrival.kind != INTERACTIVE:
+            jobs.setdefault(arrival.job_id, []).append(arrival)
+            deadlines.setdefault(arrival.job_id, deadline_s or 0.0)
+    return [
+        JobSubmission(
+            job_id,
+            requests[0].arrival_s,
+            deadlines[job_id],
+            len(requests),
+            round(statistics.median(a.output_len for a in requests)),
+            partial(iter, requests),
+        )
+        for job_id, requests in jobs.items()
+    ]
+
+
+def simulate(
+    config: SimConfig, policy: FleetPolicy, progress: Callable[[float], None] | None = None
+) -> PolicyResult:
+    cost, model = cost_models(config)
+    settings = SimSettings(
+        replica=config.replica,
+        duration_s=config.duration_s,
+        targets=config.targets,
+        router=config.router,
+        tensor_parallel=config.deployment.tensor_parallel,
+        sample_s=config.sample_s,
+    )
+    sim = Simulation(
+        policy, settings, cost, model, interactive_stream(config), job_submissions(config)
+    )
+    began = time.perf_counter()
+    metrics = sim.run(progress)
+    return PolicyResult(policy, metrics, sim.jobs, time.perf_counter() - began)
