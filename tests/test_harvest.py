@@ -15,11 +15,9 @@ from prometheus_client import generate_latest
 from tokenfleet.config import EngineConfig, SchedulerConfig
 from tokenfleet.core import EngineCore
 from tokenfleet.harvest import (
-    BatchTokenCost,
-    batch_candidates,
-    batch_token_cost,
-    chunk_cost,
+    batch_chunks,
     harvest_budget,
+    pack,
     prefill_budget,
     step_time_limit,
 )
@@ -70,16 +68,9 @@ class HandSetStepModel(StepTimeModel):
 MODEL = HandSetStepModel(A, B, C, D, E)
 
 
-def budget(
-    interactive: StepFeatures, per_token: float, once: float = 0, max_tokens: int = 512
-) -> int:
+def budget(interactive: StepFeatures, batch: list[tuple[int, int]], max_tokens: int = 512) -> int:
     return harvest_budget(
-        MODEL,
-        interactive,
-        BatchTokenCost(per_token * TICK, once * TICK),
-        tpot_target_s=TARGET,
-        margin=MARGIN,
-        max_tokens=max_tokens,
+        MODEL, interactive, batch, tpot_target_s=TARGET, margin=MARGIN, max_tokens=max_tokens
     )
 
 
@@ -90,92 +81,68 @@ def test_limit_is_the_target_less_the_margin() -> None:
     assert step_time_limit(TARGET, MARGIN) == LIMIT * TICK == 0.046875
 
 
-def test_chunk_cost_leaves_out_the_step_fixed_cost() -> None:
-    assert chunk_cost(MODEL, 1, 199) == (C + 200 * D) * TICK
-    assert chunk_cost(MODEL, 40, 0) == (40 * B + 40 * D + 40 * 40 * E) * TICK
-
-
-def cost(per_token: float, once: float = 0) -> BatchTokenCost:
-    return BatchTokenCost(per_token * TICK, once * TICK)
-
-
-def test_token_cost_bounds_decodes_and_prefill_chunks_by_the_largest_context() -> None:
-    assert batch_token_cost(MODEL, []) == BatchTokenCost(0.0, 0.0)
-    # A decode at context 200.
-    assert batch_token_cost(MODEL, [(199, 200)]) == cost(C + 200 * D)
-    # A prompt of 300: b + d*L/2 + e*L a token, and a decode at 300 for the cut chunk.
-    assert batch_token_cost(MODEL, [(0, 300)]) == cost(B + 150 * D + 300 * E, C + 300 * D)
-    # The largest context of each kind: decodes up to 501, prefills up to 300.
-    assert batch_token_cost(MODEL, [(199, 200), (0, 300), (500, 501)]) == cost(
-        C + 501 * D, C + 300 * D
-    )
-    cheap_decodes = HandSetStepModel(A, 2**14, 0, D, 2**4)
-    assert batch_token_cost(cheap_decodes, [(0, 300)]) == cost(
-        2**14 + 150 * D + 300 * 2**4, 300 * D
-    )
-    assert batch_token_cost(cheap_decodes, [(299, 300)]) == cost(300 * D)
-
-
-def test_token_cost_is_never_under_any_chunk_it_bounds() -> None:
-    for model in (MODEL, HandSetStepModel(A, 2**14, 0, D, 2**4)):
-        bound = batch_token_cost(model, [(0, 300)])
-        for start in (0, 1, 2, 150, 284, 297, 298):
-            for num_tokens in range(1, 301 - start):
-                chunk = chunk_cost(model, num_tokens, start)
-                assert chunk <= num_tokens * bound.per_token + bound.once
-                if num_tokens >= 2 and start + num_tokens == 300:  # whole: no cut
-                    assert chunk <= num_tokens * bound.per_token
+# 4 interactive decodes at context 100: 812,032 ticks, 2,333,696 to spare.
+FOUR_DECODES = StepFeatures(decode_seqs=4, kv_tokens_read=400)
 
 
 def test_no_interactive_work_gets_every_token_left() -> None:
-    assert budget(StepFeatures(), C + 300 * D) == 512
-    assert budget(StepFeatures(), 10**9, 10**9, max_tokens=37) == 37
+    assert budget(StepFeatures(), [(0, 300)]) == 512
+    assert budget(StepFeatures(), [(0, 10**6)], max_tokens=37) == 37
 
 
-def test_light_interactive_load_leaves_an_exact_token_count() -> None:
-    # 4 interactive decodes at context 100: 812,032 ticks, 2,333,696 to spare.
-    four_decodes = StepFeatures(decode_seqs=4, kv_tokens_read=400)
-    assert MODEL.predict(four_decodes) == (A + 4 * C + 400 * D) * TICK == 812_032 * TICK
-    # A batch decode at context 200 costs 78,336 ticks a token: 29 fit (2,271,744).
-    assert budget(four_decodes, C + 200 * D) == 29
-    # An interactive prefill of 120 tokens in 3 prompts: 2,117,440 ticks spare; less a
-    # cut chunk's 84,736, 145 prefill tokens of 13,996 fit (2,029,420).
-    prefill = StepFeatures(prefill_tokens=120, kv_tokens_read=120, prefill_attention=4800)
-    assert budget(prefill, B + 150 * D + 300 * E, C + 300 * D) == 145
-    # Cheap batch tokens: capped by the step's token budget.
-    assert budget(four_decodes, 1, max_tokens=100) == 100
+def test_batch_decodes_are_packed_exactly() -> None:
+    assert MODEL.predict(FOUR_DECODES) == (A + 4 * C + 400 * D) * TICK == 812_032 * TICK
+    # A batch decode at context 200 costs C + 200 D = 78,336 ticks: 29 fit (2,271,744).
+    assert budget(FOUR_DECODES, [(199, 1)] * 40) == 29
+    assert budget(FOUR_DECODES, [(199, 1)] * 40, max_tokens=20) == 20
+
+
+def test_a_prompt_chunk_is_priced_at_its_own_context_once() -> None:
+    # n tokens from 1,000: n B + (1000 + n) D + n (1000 + n) E; the most within the
+    # 2,333,696 ticks left: 407. The context is read once per chunk, not once a token.
+    assert budget(FOUR_DECODES, [(1000, 1000)]) == 407
+    step = FOUR_DECODES + StepFeatures.of_chunk(407, 1000)
+    assert MODEL.predict(step) <= LIMIT * TICK
+    assert MODEL.predict(FOUR_DECODES + StepFeatures.of_chunk(408, 1000)) > LIMIT * TICK
+    # A chunk that takes all it has to go leaves the rest to the next: 10 + 400; one cut
+    # short ends the packing (the scheduler gives the next one nothing either).
+    assert budget(FOUR_DECODES, [(0, 10), (1000, 1000)]) == 10 + 400
+    assert budget(FOUR_DECODES, [(1000, 1000), (0, 10)]) == 407
+    assert pack(MODEL, FOUR_DECODES, [(0, 10), (1000, 1000)], LIMIT * TICK, 100) == 100
 
 
 def test_heavy_interactive_load_leaves_batch_nothing() -> None:
     # 48 decodes: the per-decode cost alone is the whole limit.
     heavy = StepFeatures(decode_seqs=48, kv_tokens_read=48_000)
     assert MODEL.predict(heavy) > LIMIT * TICK
-    assert budget(heavy, C + 300 * D) == 0
-    assert budget(heavy, 0) == 0  # even with free batch tokens
+    assert budget(heavy, [(199, 1)]) == 0
     # Exactly at the limit: no time left for a token.
     at_limit = StepFeatures(decode_seqs=40)  # 2^19 + 40 * 2^16 = 3 * 2^20
     assert MODEL.predict(at_limit) == LIMIT * TICK
-    assert budget(at_limit, 1) == 0
-    # 65,536 ticks spare: one decode of 65,536 fits, one of 65,537 does not, and nothing
-    # when a cut chunk could take it all.
-    assert budget(StepFeatures(decode_seqs=39), C) == 1
-    assert budget(StepFeatures(decode_seqs=39), C + 1) == 0
-    assert budget(StepFeatures(decode_seqs=39), 1, C + 1) == 0
+    assert budget(at_limit, [(0, 1)]) == 0
+    # C + D spare: one decode of context 1 fits exactly, not one of context 2.
+    spare_one = StepFeatures(decode_seqs=38, kv_tokens_read=1023)
+    assert MODEL.predict(spare_one) == (LIMIT - C - D) * TICK
+    assert budget(spare_one, [(0, 1), (0, 1)]) == 1
+    assert budget(spare_one, [(1, 1)]) == 0
 
 
-def test_candidates_are_running_batch_and_the_head_of_the_batch_queue() -> None:
+def test_batch_chunks_follow_the_scheduler_order() -> None:
     def request(req_id: str, num_tokens: int, priority: int = PRIORITY_BATCH) -> Request:
         return Request(
             req_id, [1] * num_tokens, SamplingParams(), arrival_time=0.0, priority=priority
         )
 
-    running = [request("i", 10, PRIORITY_INTERACTIVE), request("b", 20)]
+    running = [request("i", 10, PRIORITY_INTERACTIVE), request("b", 20), request("c", 50)]
     running[1].num_computed_tokens = 19
+    running[2].num_computed_tokens = 16
     waiting = [request("wi", 500, PRIORITY_INTERACTIVE)]
     waiting += [request("w0", 30), request("w1", 17), request("w2", 33), request("w3", 40)]
-    # A waiting request may start after its last full block before the last token.
-    assert list(batch_candidates(running, waiting, 3, 16)) == [
-        (19, 20),
+    # Running batch from where they are; then the head of the batch queue, each from
+    # after its last full block before the last token, yet up to its whole prompt.
+    assert list(batch_chunks(running, waiting, 3, 16)) == [
+        (19, 1),
+        (16, 34),
         (16, 30),
         (16, 17),
         (32, 33),
@@ -384,15 +351,16 @@ def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
         else:
             assert num_tokens["b"] == 0
         trace.append((num_tokens["i"], num_tokens["b"], engine.last_batch_token_budget))
-    # Two full batch steps; the interactive prompts, then 11 decodes beside batch decodes
-    # (every batch token priced as a decode), the last beside batch prefill alone; then
-    # batch alone again.
+    # Two full batch steps; the interactive prompts beside 136 batch prompt tokens; then
+    # the 11 interactive decodes beside the batch prompts, each chunk priced at its own
+    # context (253 tokens a step while whole prompts remain), then beside batch decodes
+    # that fit one fewer as their contexts grow; the last batch decode alone.
     assert trace == (
         [(0, 256, 256)] * 2
-        + [(120, 23, 23)]
-        + [(3, 27, 27)] * 10
-        + [(3, 166, 166)]
-        + [(0, n, 256) for n in (256, 256, 256, 83, 4, 4, 4, 3, 2, 2, 1)]
+        + [(120, 136, 136)]
+        + [(3, 253, 253)] * 4
+        + [(3, n, n) for n in (157, 6, 5, 4, 4, 3, 2)]
+        + [(0, 1, 256)]
     )
     fixed = engine.runner.token_id  # type: ignore[union-attr]
     assert tokens == {r: [fixed] * n for r, n in max_tokens.items()}
@@ -507,8 +475,9 @@ def test_metrics_export_classes_reserve_and_budget() -> None:
     ("policy", "first_step", "second_step"),
     [
         # priority: the later interactive prompt goes first; batch gets what the harvest
-        # budget leaves (169 tokens, as the hand-set step model prices them).
-        ("priority", {"i0": 40, "b0": 169}, None),
+        # budget leaves: the step's other 216 tokens, within the limit as the hand-set
+        # step model prices them.
+        ("priority", {"i0": 40, "b0": 216}, None),
         # fcfs: arrival order alone, no harvest budget: the earlier batch prompt fills the
         # step, the interactive one waits behind it.
         ("fcfs", {"b0": 256}, {"b0": 44, "i0": 40}),

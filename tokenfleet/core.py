@@ -23,13 +23,7 @@ from tokenfleet import envs
 from tokenfleet.config import EngineConfig
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
 from tokenfleet.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
-from tokenfleet.harvest import (
-    BatchTokenCost,
-    batch_candidates,
-    batch_token_cost,
-    harvest_budget,
-    prefill_budget,
-)
+from tokenfleet.harvest import PriorityBudgets
 from tokenfleet.kv_cache import KVCacheManager
 from tokenfleet.model_folder import resolve_model_folder
 from tokenfleet.model_runner import ModelRunner
@@ -42,7 +36,7 @@ from tokenfleet.outputs import (
 )
 from tokenfleet.request import PRIORITY_INTERACTIVE, Request
 from tokenfleet.scheduler import Scheduler
-from tokenfleet.step_model import StepFeatures, StepModelConfig, StepTimeModel, step_features
+from tokenfleet.step_model import StepModelConfig, StepTimeModel, step_features
 from tokenfleet.step_profile import profile_step_time
 from tokenfleet.tokenizer import Tokenizer
 
@@ -171,13 +165,20 @@ class EngineCore:
 
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
-        harvest = prompts = None
         if self.config.scheduling_policy == "priority":
-            harvest = self._harvest_budget
-            prompts = self._prefill_budget()
-        scheduler_output = self.scheduler.schedule(
-            now, batch_token_budget=harvest, prefill_token_budget=prompts
-        )
+            budgets = PriorityBudgets(
+                self.scheduler,
+                self.step_model,
+                block_size=self.kv.block_size,
+                tpot_target_s=self.config.tpot_target_s,
+                margin=self.config.harvest_margin,
+                min_prefill_chunk=self.config.min_prefill_chunk,
+            )
+            scheduler_output = budgets.schedule(now)
+            if budgets.last_batch_budget is not None:
+                self.last_batch_token_budget = budgets.last_batch_budget
+        else:
+            scheduler_output = self.scheduler.schedule(now)
         features = step_features(scheduler_output)
         if scheduler_output.is_empty:
             self.last_prediction = None
@@ -191,48 +192,6 @@ class EngineCore:
         self._pending = []
         self.last_step_time = time.monotonic()
         return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
-
-    def _prefill_budget(self) -> int | None:
-        """The step's interactive prompt budget: None unless streams decode beside prompts."""
-        config = self.scheduler.config
-        return prefill_budget(
-            self.step_model,
-            self.scheduler.running,
-            self.scheduler.waiting,
-            max_num_seqs=config.max_num_seqs,
-            block_size=self.kv.block_size,
-            tpot_target_s=self.config.tpot_target_s,
-            margin=self.config.harvest_margin,
-            max_tokens=config.max_num_batched_tokens,
-            min_tokens=self.config.min_prefill_chunk,
-        )
-
-    def _harvest_budget(self, interactive_chunks: list[tuple[int, int]]) -> int:
-        """The step's batch token budget, given its planned interactive chunks as
-        (num_tokens, start_pos); the scheduler asks once per step with batch work."""
-        interactive = StepFeatures()
-        for num_tokens, start_pos in interactive_chunks:
-            interactive += StepFeatures.of_chunk(num_tokens, start_pos)
-        config = self.scheduler.config
-        cost = BatchTokenCost()
-        if interactive_chunks:  # no interactive part: no cap, no need for the cost
-            candidates = batch_candidates(
-                self.scheduler.running,
-                self.scheduler.waiting,
-                config.max_num_seqs,
-                self.kv.block_size,
-            )
-            cost = batch_token_cost(self.step_model, candidates)
-        budget = harvest_budget(
-            self.step_model,
-            interactive,
-            cost,
-            tpot_target_s=self.config.tpot_target_s,
-            margin=self.config.harvest_margin,
-            max_tokens=config.max_num_batched_tokens - sum(n for n, _ in interactive_chunks),
-        )
-        self.last_batch_token_budget = budget
-        return budget
 
     def stats(self) -> SchedulerStats:
         errors = self.step_model.prediction_error_quantiles((0.5, 0.99))
