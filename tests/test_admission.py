@@ -186,13 +186,17 @@ class _Engine:
     def is_healthy(self) -> bool:
         return True
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+    async def submit(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         queue = self.outputs[request.req_id] = asyncio.Queue()
-        while True:
-            out = await queue.get()
-            yield out
-            if out.finished:
-                return
+
+        async def outputs() -> AsyncGenerator[EngineCoreOutput, None]:
+            while True:
+                out = await queue.get()
+                yield out
+                if out.finished:
+                    return
+
+        return outputs()
 
 
 def _stats(coefficients: dict[str, float]) -> SchedulerStats:

@@ -347,6 +347,33 @@ def _sse_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
     return events
 
 
+def test_stream_starts_before_the_first_token(server: LiveServer, refs: References) -> None:
+    """The reply's head goes out once the engine has the request, not after its first
+    token: with the engine process stopped (SIGSTOP), the 200 and the first three events
+    still arrive; the tokens follow once it runs on (SIGCONT)."""
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "messages": ANSWER, "stream": True}
+    engine_pid = server.engine_pid()
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        url = f"{server.url}/v1/messages"
+        with httpx.stream("POST", url, json=body | GREEDY, timeout=20) as response:
+            assert response.status_code == 200
+            chunks = response.iter_raw()
+            raw = b""
+            while b"event: ping" not in raw:
+                raw += next(chunks)
+            assert b"content_block_delta" not in raw
+            os.kill(engine_pid, signal.SIGCONT)
+            raw += b"".join(chunks)
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    events = _sse_events(raw)
+    assert [name for name, _ in events[:3]] == ["message_start", "content_block_start", "ping"]
+    text = "".join(e["delta"]["text"] for name, e in events if name == "content_block_delta")
+    assert text == refs.answer.text
+    assert events[-1][0] == "message_stop"
+
+
 def test_sse_bytes(server: LiveServer, refs: References) -> None:
     body = {"model": MODEL, "max_tokens": MAX_TOKENS, "messages": ANSWER, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/messages", json=body | GREEDY) as response:

@@ -598,6 +598,39 @@ def test_sse_framing_chat(server: LiveServer, ref: Reference) -> None:
     assert events[-1]["usage"]["completion_tokens"] == len(expected.token_ids)
 
 
+def test_streams_start_before_the_first_token(server: LiveServer, ref: Reference) -> None:
+    """With the engine process stopped (SIGSTOP), a chat stream still gets its 200 and the
+    role chunk, and a completions stream its 200 (its first chunk carries text); the
+    tokens follow once the engine runs on (SIGCONT)."""
+    expected = ref.chat(EOS_CHAT, 40)
+    chat = _chat_body(EOS_CHAT, max_tokens=40, temperature=0, stream=True)
+    cmpl = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    engine_pid = server.engine_pid()
+    os.kill(engine_pid, signal.SIGSTOP)
+    try:
+        with (
+            httpx.stream("POST", server.url + CHAT_ROUTE, json=chat, timeout=20) as first,
+            httpx.stream("POST", server.url + CMPL_ROUTE, json=cmpl, timeout=20) as second,
+        ):
+            assert (first.status_code, second.status_code) == (200, 200)
+            chunks = first.iter_raw()
+            raw = b""
+            while b"\n\n" not in raw:
+                raw += next(chunks)
+            head = json.loads(raw.split(b"\n\n")[0].removeprefix(b"data: "))
+            assert head["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            os.kill(engine_pid, signal.SIGCONT)
+            raw += b"".join(chunks)
+            second.read()
+    finally:
+        os.kill(engine_pid, signal.SIGCONT)
+    frames = [f.removeprefix(b"data: ") for f in raw.strip().split(b"\n\n")]
+    assert frames[-1] == b"[DONE]"
+    events = [json.loads(f) for f in frames[:-1]]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == expected.text
+    assert second.text.endswith("data: [DONE]\n\n")
+
+
 def test_sse_framing_completions(server: LiveServer, ref: Reference) -> None:
     expected = ref.generate(PROMPT, 12)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True}

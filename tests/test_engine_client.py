@@ -94,6 +94,32 @@ def test_abandoned_stream_is_aborted_and_frees_blocks(model_folder: Path) -> Non
     asyncio.run(main())
 
 
+def test_submitted_request_closed_before_any_output_is_aborted(model_folder: Path) -> None:
+    """A streamed reply starts once the engine has the request; a client gone before the
+    first token closes outputs never read, and that still aborts the request."""
+
+    async def main() -> None:
+        async with _running(model_folder) as client:
+            params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+            outputs = await client.submit(EngineCoreRequest("early", PROMPTS[0], params, 0.0))
+            with pytest.raises(InvalidRequestError, match="'early' is in use"):
+                await client.submit(EngineCoreRequest("early", PROMPTS[1], params, 0.0))
+            await outputs.aclose()
+            with pytest.raises(StopAsyncIteration):
+                await anext(outputs)
+            for _ in range(100):
+                await asyncio.sleep(0.05)
+                if client.stats and client.stats.num_running == 0:
+                    break
+            assert client.stats is not None
+            assert (client.stats.num_running, client.stats.num_waiting) == (0, 0)
+            assert client.stats.num_kv_blocks_used == 0
+            # The id is free again, and a request under it runs to its end.
+            assert len(await _collect(client, "early", PROMPTS[1], 3)) == 3
+
+    asyncio.run(main())
+
+
 def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> None:
     async def main() -> None:
         async with _running(model_folder) as client:

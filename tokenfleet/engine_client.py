@@ -172,29 +172,29 @@ class AsyncEngineClient:
 
     # -- requests -----------------------------------------------------------------
 
-    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
-        """Yield the request's outputs step by step; closing the iterator early aborts it."""
+    async def submit(self, request: EngineCoreRequest) -> RequestOutputs:
+        """Send the request to the engine now; its outputs come from the returned iterator.
+        The caller starts its reply meanwhile (a streamed response's headers during the
+        prefill), and closes the iterator when done: early, that aborts the request."""
         if not self.is_healthy():
             raise EngineDeadError("the engine is not running")
         if request.req_id in self._queues:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use")
         queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
         self._queues[request.req_id] = queue
-        finished = False
         try:
             await self._send(AddRequest(request))
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
+        except BaseException:
             del self._queues[request.req_id]
-            if not finished and self.is_healthy():
-                # Cancelled mid-stream (a client disconnect): free its blocks now.
-                await self.abort([request.req_id])
+            raise
+        return RequestOutputs(self, request.req_id, queue)
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        """Yield the request's outputs step by step; closing the iterator early aborts it."""
+        outputs = await self.submit(request)
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                yield output
 
     async def abort(self, req_ids: list[str]) -> None:
         with contextlib.suppress(EngineDeadError):  # a dead engine has freed everything
@@ -207,3 +207,40 @@ class AsyncEngineClient:
             await self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
         except zmq.Again as exc:
             raise EngineDeadError("the engine process is not connected") from exc
+
+
+class RequestOutputs:
+    """One submitted request's outputs, step by step, until the finished one. `aclose()`
+    forgets the request and, unless it finished, aborts it in the engine (also when no
+    output was read yet, which an unstarted async generator's close would not do)."""
+
+    def __init__(
+        self,
+        client: AsyncEngineClient,
+        req_id: str,
+        queue: asyncio.Queue[EngineCoreOutput | Exception],
+    ) -> None:
+        self._client, self.req_id, self._queue = client, req_id, queue
+        self.finished = self.closed = False
+
+    def __aiter__(self) -> RequestOutputs:
+        return self
+
+    async def __anext__(self) -> EngineCoreOutput:
+        if self.finished or self.closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._client._queues.pop(self.req_id, None)
+        if not self.finished and self._client.is_healthy():
+            # Cancelled mid-stream (a client disconnect): free its blocks now.
+            await self._client.abort([self.req_id])

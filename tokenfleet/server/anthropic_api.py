@@ -150,7 +150,13 @@ async def create_message(request: Request) -> Response:
     call = prepare_message(service, body)
     service.admit(len(call.prompt))
     deltas = await prime(
-        service.generate(call.prompt, call.params, body.stop_sequences, route="/v1/messages")
+        service.generate(
+            call.prompt,
+            call.params,
+            body.stop_sequences,
+            route="/v1/messages",
+            announce=bool(body.stream),
+        )
     )
     message = _message(call)
     if body.stream:

@@ -185,8 +185,15 @@ class _Run:
         self.completion_tokens = [0]
 
     def start(
-        self, prompts: list[list[int]], max_tokens: list[int], logprobs: int | None
+        self,
+        prompts: list[list[int]],
+        max_tokens: list[int],
+        logprobs: int | None,
+        *,
+        announce: bool = False,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
+        """The choices' merged deltas; with `announce` (streams), each choice's first is
+        empty, sent once the engine has it (GenerationService.generate): skip those."""
         self.prompt_tokens = sum(len(p) for p in prompts[:: self.body.n])
         self.completion_tokens = [0] * len(prompts)
         stop = self.body.stop_list()
@@ -199,6 +206,7 @@ class _Run:
                 stop,
                 route=self.route,
                 priority=self.priority,
+                announce=announce,
             )
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
         ]
@@ -272,7 +280,11 @@ async def _chat_completions(
     call = prepare_chat(service, body)
     num_top = call.num_top
     run = _Run(service, body, "/v1/chat/completions", "interactive")
-    merged = await prime(run.start([call.prompt] * body.n, [call.max_tokens] * body.n, num_top))
+    merged = await prime(
+        run.start(
+            [call.prompt] * body.n, [call.max_tokens] * body.n, num_top, announce=bool(body.stream)
+        )
+    )
     tokenizer = service.tokenizer
 
     def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
@@ -297,6 +309,8 @@ async def _chat_completions(
             async with contextlib.aclosing(merged):  # type: ignore[type-var]
                 try:
                     async for i, d in merged:
+                        if not d.token_ids and d.finish_reason is None:
+                            continue  # the engine has it: nothing to send yet
                         run.completion_tokens[i] = d.num_output_tokens
                         lp = (
                             {"content": _chat_logprobs(tokenizer, d.logprobs)}
@@ -428,7 +442,11 @@ async def _completions(
     call = prepare_completion(service, body)
     expanded = call.prompts
     run = _Run(service, body, "/v1/completions", "interactive")
-    merged = await prime(run.start(expanded, [body.max_tokens] * len(expanded), body.logprobs))
+    merged = await prime(
+        run.start(
+            expanded, [body.max_tokens] * len(expanded), body.logprobs, announce=bool(body.stream)
+        )
+    )
     render = _CompletionChoices(service.tokenizer, body, run, len(expanded))
 
     if body.stream:

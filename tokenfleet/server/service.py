@@ -168,7 +168,12 @@ class GenerationService:
         *,
         route: str,
         priority: str = "interactive",
+        announce: bool = False,
     ) -> AsyncGenerator[TextDelta, None]:
+        """The request's text as it is generated, one TextDelta per engine output. With
+        `announce`, first an empty delta (no tokens, no finish) as soon as the engine has
+        the request: a streamed reply starts on it and is under way when the first token
+        comes, instead of every stream of a burst setting up its reply after that token."""
         num_prompt = len(prompt_token_ids)
         request = EngineCoreRequest(
             f"gen-{uuid.uuid4().hex}",
@@ -188,7 +193,9 @@ class GenerationService:
         self.metrics.prompt_tokens.inc(num_prompt)
         self.admission.requests.add(request.req_id, num_prompt, interactive=interactive, now=start)
         try:
-            async with contextlib.aclosing(self.client.generate(request)) as outputs:
+            async with contextlib.aclosing(await self.client.submit(request)) as outputs:
+                if announce:
+                    yield TextDelta("", [], 0)
                 async for out in outputs:
                     now = time.monotonic()
                     if waiting_first:
