@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tokenfleet import envs
+from tokenfleet.sim.cli import add_sim_command
 
 
 def _env_help() -> str:
@@ -435,6 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(commands)
     _add_batch(commands)
     _add_bench(commands)
+    add_sim_command(commands)
     return parser
 
 

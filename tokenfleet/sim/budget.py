@@ -1,39 +1,62 @@
-"""The step's batch token budget as the engine asks for it, composed from harvest.py.
+"""The priority policy's step budgets, as the engine plans them.
 
-The same composition as EngineCore._harvest_budget (core.py imports torch, so the
-simulator cannot call it): the interactive chunks the scheduler planned, the cost bound of
-the batch requests that can join, and harvest_budget over what the step has left. It takes
-the candidates as plain (latest start, num_tokens) pairs, so that a leap (replica.py) can
-price a step further on without touching the requests.
+A step is planned by harvest.PriorityBudgets, the engine's own planner (core.py builds
+one per step the same way): interactive prompts beside streams cut to the TPOT limit, and
+batch within the harvest budget. `batch_decodes_fit` asks the same harvest_budget about a
+step further on, from plain numbers, so that a leap (replica.py) can tell whether the
+batch decodes would still all be let in without touching the requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenfleet.harvest import BatchTokenCost, StepCost, batch_token_cost, harvest_budget
+from tokenfleet.harvest import PriorityBudgets, StepCost, harvest_budget
+from tokenfleet.scheduler import Scheduler
 from tokenfleet.step_model import StepFeatures
 
 
-def batch_budget(
+def priority_budgets(
+    scheduler: Scheduler,
     model: StepCost,
-    interactive_chunks: list[tuple[int, int]],
-    candidates: Iterable[tuple[int, int]],
+    *,
+    tpot_target_s: float,
+    margin: float,
+    min_prefill_chunk: int,
+) -> PriorityBudgets:
+    return PriorityBudgets(
+        scheduler,
+        model,
+        block_size=scheduler.kv.block_size,
+        tpot_target_s=tpot_target_s,
+        margin=margin,
+        min_prefill_chunk=min_prefill_chunk,
+    )
+
+
+def batch_decodes_fit(
+    model: StepCost,
+    interactive_starts: list[int],
+    batch_starts: list[int],
+    waiting_chunks: Iterable[tuple[int, int]],
     *,
     tpot_target_s: float,
     margin: float,
     max_num_batched_tokens: int,
-) -> int:
-    """Batch tokens allowed beside `interactive_chunks` ((num_tokens, start_pos) each)."""
+) -> bool:
+    """Whether a step of interactive decodes from `interactive_starts` lets in every batch
+    decode from `batch_starts`, the waiting batch requests' chunks after them."""
     interactive = StepFeatures()
-    for num_tokens, start_pos in interactive_chunks:
-        interactive += StepFeatures.of_chunk(num_tokens, start_pos)
-    cost = batch_token_cost(model, candidates) if interactive_chunks else BatchTokenCost()
-    return harvest_budget(
+    for start in interactive_starts:
+        interactive += StepFeatures.of_chunk(1, start)
+    chunks = [(start, 1) for start in batch_starts]
+    chunks.extend(waiting_chunks)
+    budget = harvest_budget(
         model,
         interactive,
-        cost,
+        chunks,
         tpot_target_s=tpot_target_s,
         margin=margin,
-        max_tokens=max_num_batched_tokens - sum(n for n, _ in interactive_chunks),
+        max_tokens=max_num_batched_tokens - len(interactive_starts),
     )
+    return budget >= len(batch_starts)

@@ -29,6 +29,7 @@ class JobState:
     num_leased: int = 0
     leased_output_tokens: int = 0
     num_done: int = 0
+    num_done_in_time: int = 0  # by deadline_at
     output_tokens_left: int = 0  # of the leased requests not yet done
     last_done_at: float | None = None
 

@@ -206,6 +206,7 @@ class Simulation:
                     pool.window_batch_tokens += arrival.output_len
                     job = self.backlog.jobs[arrival.job_id]
                     job.num_done += 1
+                    job.num_done_in_time += time <= job.deadline_at
                     job.output_tokens_left -= arrival.output_len
                     job.last_done_at = time
 

@@ -25,20 +25,20 @@ waiting head that could not get in.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
 
 from tokenfleet.config import SchedulerConfig
-from tokenfleet.harvest import StepCost, batch_candidates
+from tokenfleet.harvest import StepCost, batch_chunks
 from tokenfleet.kv_cache import KVCacheManager
 from tokenfleet.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenfleet.request import PRIORITY_INTERACTIVE, Request
 from tokenfleet.scheduler import Scheduler
 from tokenfleet.scheduler_output import SchedulerOutput
-from tokenfleet.sim.budget import batch_budget
+from tokenfleet.sim.budget import batch_decodes_fit, priority_budgets
 from tokenfleet.step_model import StepFeatures, step_features
 
 # Every sampled token: prompts never contain it, and no request stops on it.
@@ -55,6 +55,7 @@ class ReplicaConfig:
     policy: str = "priority"
     tpot_target_s: float = 0.06
     harvest_margin: float = 0.1
+    min_prefill_chunk: int = 16
     leap: bool = True
     max_leap_steps: int = 4096
 
@@ -168,27 +169,16 @@ class SimReplica:
     # -- the real scheduler --------------------------------------------------------
 
     def _schedule(self, now: float) -> SchedulerOutput:
-        budget = self._budget if self.config.policy == "priority" else None
-        return self.scheduler.schedule(now, batch_token_budget=budget)
-
-    def _budget(self, interactive_chunks: list[tuple[int, int]]) -> int:
-        sched = self.scheduler
-        candidates = batch_candidates(
-            sched.running, sched.waiting, sched.config.max_num_seqs, self.kv.block_size
-        )
-        return self._batch_budget(interactive_chunks, candidates)
-
-    def _batch_budget(
-        self, interactive_chunks: list[tuple[int, int]], candidates: Iterable[tuple[int, int]]
-    ) -> int:
-        return batch_budget(
+        if self.config.policy == "fcfs":
+            return self.scheduler.schedule(now)
+        budgets = priority_budgets(
+            self.scheduler,
             self.step_model,
-            interactive_chunks,
-            candidates,
             tpot_target_s=self.config.tpot_target_s,
             margin=self.config.harvest_margin,
-            max_num_batched_tokens=self.scheduler.config.max_num_batched_tokens,
+            min_prefill_chunk=self.config.min_prefill_chunk,
         )
+        return budgets.schedule(now)
 
     def _update(self, output: SchedulerOutput) -> list[EngineCoreOutput]:
         sampled = {s.req_id: OUTPUT_TOKEN for s in output.scheduled if s.sample}
@@ -217,7 +207,7 @@ class SimReplica:
         )
         free = self.kv.num_free_blocks - self.scheduler.reserve.max_blocks
         num_steps = _largest(num_steps, lambda k: self._leap_blocks(leap, k) <= free)
-        num_steps = _largest(num_steps, lambda k: self._keeps_batch(leap, k))
+        num_steps = _largest(num_steps, self._keeps_batch)
         if num_steps < 2:
             return None
         kv_read = step_features(first).kv_tokens_read
@@ -250,27 +240,27 @@ class SimReplica:
         needed = (leap.computed + num_steps - 1 + size - 1) // size - leap.held
         return int(np.maximum(needed, 0).sum())
 
-    def _keeps_batch(self, leap: _Leap, num_steps: int) -> bool:
+    def _keeps_batch(self, num_steps: int) -> bool:
         """Whether step `num_steps`'s harvest budget still takes every batch decode (the
         budget only shrinks as contexts grow, so then every earlier step's does too)."""
         sched = self.scheduler
         if self.config.policy != "priority":
             return True
-        shift = num_steps - 1
-        running = sched.running
-        interactive = [(1, r.num_computed_tokens - 1 + shift) for r in running if r.is_interactive]
-        num_batch = len(running) - len(interactive)
-        if not interactive or not num_batch:
+        shift = num_steps - 1  # tokens every request is further on than in step 1
+        interactive = [r.num_computed_tokens - 1 + shift for r in sched.running if r.is_interactive]
+        batch = [r.num_computed_tokens - 1 + shift for r in sched.running if not r.is_interactive]
+        if not interactive or not batch:
             return True
-        waiting = list(
-            batch_candidates([], sched.waiting, sched.config.max_num_seqs, self.kv.block_size)
+        waiting = batch_chunks((), sched.waiting, sched.config.max_num_seqs, self.kv.block_size)
+        return batch_decodes_fit(
+            self.step_model,
+            interactive,
+            batch,
+            waiting,
+            tpot_target_s=self.config.tpot_target_s,
+            margin=self.config.harvest_margin,
+            max_num_batched_tokens=sched.config.max_num_batched_tokens,
         )
-        candidates = [
-            (r.num_computed_tokens - 1 + shift, r.num_tokens + shift)
-            for r in running
-            if not r.is_interactive
-        ]
-        return self._batch_budget(interactive, candidates + waiting) >= num_batch
 
     def _apply_leap(self, leap: _Leap, num_done: int) -> list[StepOutputs]:
         """Apply the leap's first `num_done` steps: step 1 through the scheduler's update,

@@ -1,0 +1,152 @@
+"""A simulation's report: one summary per fleet policy, rendered as a table, JSON and a
+PNG (matplotlib, imported only to draw).
+
+Per policy: TTFT and TPOT p50/p90/p99 by class, whether the design's targets are met,
+SLO attainment (interactive requests within both p99 targets, of those finished or
+refused), tokens per
+accelerator-hour, batch jobs done against their deadlines, and replicas and KV use over
+time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from tokenfleet.loadgen.report import percentile
+from tokenfleet.sim.metrics import ClassLog, Targets
+from tokenfleet.sim.run import PolicyResult
+from tokenfleet.sim.workload import INTERACTIVE
+
+PERCENTILES = (50, 90, 99)
+
+
+def _latency(values: Sequence[float]) -> dict[str, float | None]:
+    return {f"p{q}": percentile(values, q) for q in PERCENTILES}
+
+
+def _class_summary(log: ClassLog) -> dict[str, Any]:
+    return {
+        "finished": log.num_finished,
+        "unfinished": log.num_unfinished,
+        "refused": log.num_refused,
+        "within_targets": log.num_met,
+        "prompt_tokens": log.prompt_tokens,
+        "output_tokens": log.output_tokens,
+        "ttft_s": _latency(log.ttft_s),
+        "tpot_s": _latency(log.tpot_s),
+    }
+
+
+def targets_met(summary: dict[str, Any], targets: Targets) -> bool:
+    """Whether interactive TTFT and TPOT p50 and p99 are all within the targets."""
+    ttft, tpot = summary["ttft_s"], summary["tpot_s"]
+    values = [ttft["p50"], ttft["p99"], tpot["p50"], tpot["p99"]]
+    limits = [targets.ttft_p50_s, targets.ttft_p99_s, targets.tpot_p50_s, targets.tpot_p99_s]
+    return all(v is not None and v <= limit for v, limit in zip(values, limits, strict=True))
+
+
+def summarize(result: PolicyResult, targets: Targets) -> dict[str, Any]:
+    m = result.metrics
+    classes = {kind: _class_summary(log) for kind, log in m.classes.items()}
+    interactive = classes[INTERACTIVE]
+    # Requests still running at the end are left out: their latencies are not known.
+    sent = interactive["finished"] + interactive["refused"]
+    tokens = sum(c["prompt_tokens"] + c["output_tokens"] for c in classes.values())
+    output = sum(c["output_tokens"] for c in classes.values())
+    hours = m.accelerator_s / 3600
+    return {
+        "policy": result.policy.name,
+        "pools": [asdict(p) for p in result.policy.pools],
+        "classes": classes,
+        "targets": asdict(targets),
+        "targets_met": targets_met(interactive, targets),
+        "slo_attainment": interactive["within_targets"] / sent if sent else None,
+        "accelerator_hours": hours,
+        "tokens_per_accelerator_hour": tokens / hours if hours else None,
+        "output_tokens_per_accelerator_hour": output / hours if hours else None,
+        "batch_jobs": [
+            {
+                "job": j.job_id,
+                "requests": j.num_requests,
+                "done": j.num_done,
+                "done_by_deadline": j.num_done_in_time,
+                "deadline_at_s": j.deadline_at,
+                "last_done_at_s": j.last_done_at,
+            }
+            for j in result.jobs
+        ],
+        "timeline": {
+            "time_s": [s.time_s for s in m.samples],
+            "replicas": [s.replicas for s in m.samples],
+            "kv_usage": [s.kv_usage for s in m.samples],
+        },
+        "engine_steps": m.num_steps,
+        "steps_leapt": m.num_leap_steps,
+        "wall_s": result.wall_s,
+    }
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def format_table(summaries: Sequence[dict[str, Any]]) -> str:
+    head = (
+        f"{'policy':<10}{'class':<12}{'done':>8}{'unfin':>7}{'TTFT ms p50/p90/p99':>22}"
+        f"{'TPOT ms p50/p90/p99':>22}{'tok/acc-h':>12}{'SLO':>7}{'met':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for s in summaries:
+        rate = s["tokens_per_accelerator_hour"]
+        for kind, c in s["classes"].items():
+            ttft = "/".join(_ms(c["ttft_s"][f"p{q}"]) for q in PERCENTILES)
+            tpot = "/".join(_ms(c["tpot_s"][f"p{q}"]) for q in PERCENTILES)
+            interactive = kind == INTERACTIVE
+            slo = s["slo_attainment"] if interactive else None
+            lines.append(
+                f"{s['policy']:<10}{kind:<12}{c['finished']:>8}{c['unfinished']:>7}{ttft:>22}"
+                f"{tpot:>22}{'' if not interactive or rate is None else f'{rate:,.0f}':>12}"
+                f"{'' if slo is None else f'{slo:.1%}':>7}"
+                f"{('yes' if s['targets_met'] else 'no') if interactive else '':>5}"
+            )
+        for job in s["batch_jobs"]:
+            lines.append(
+                f"{'':<10}batch job {job['job']}: {job['done_by_deadline']}/{job['requests']} "
+                f"done by its deadline ({job['done']} done in all)"
+            )
+        lines.append(
+            f"{'':<10}{s['accelerator_hours']:.3g} accelerator-hours, {s['engine_steps']:,} "
+            f"engine steps ({s['steps_leapt']:,} leapt), {s['wall_s']:.1f} s wall"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: Path, summaries: Sequence[dict[str, Any]]) -> None:
+    path.write_text(json.dumps(list(summaries), indent=1))
+
+
+def plot(path: Path, summaries: Sequence[dict[str, Any]]) -> None:
+    """Replicas and KV use over time, per policy and pool."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (replicas_ax, kv_ax) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
+    for s in summaries:
+        hours = [t / 3600 for t in s["timeline"]["time_s"]]
+        for i, pool in enumerate(s["pools"]):
+            label = f"{s['policy']}/{pool['name']}"
+            replicas_ax.step(hours, [r[i] for r in s["timeline"]["replicas"]], label=label)
+            kv_ax.plot(hours, [u[i] for u in s["timeline"]["kv_usage"]], label=label)
+    replicas_ax.set_ylabel("replicas")
+    kv_ax.set_ylabel("KV blocks in use (share)")
+    kv_ax.set_xlabel("simulated hours")
+    replicas_ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
