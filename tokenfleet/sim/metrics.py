@@ -68,6 +68,7 @@ class Metrics:
     accelerator_s: float = 0.0
     num_steps: int = 0
     num_leap_steps: int = 0
+    last_finish_s: float = 0.0
 
     def finish(self, request: InFlight, now: float) -> bool:
         """Record a finished request; whether it met the targets (batch: always)."""
@@ -79,6 +80,7 @@ class Metrics:
         log.ttft_s.append(ttft)
         log.tpot_s.append(tpot)
         log.num_finished += 1
+        self.last_finish_s = max(self.last_finish_s, now)
         log.prompt_tokens += arrival.prompt_len
         log.output_tokens += arrival.output_len
         met = arrival.kind == BATCH or self.targets.met_by(ttft, tpot)
