@@ -13,7 +13,8 @@ MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_pa
 	tokenfleet/detokenizer.py tokenfleet/fixed_runner.py tokenfleet/batch_client.py tokenfleet/batch/__init__.py tokenfleet/batch/schema.py \
 	tokenfleet/batch/store.py tokenfleet/step_model.py tokenfleet/step_profile.py tokenfleet/admission.py \
 	tokenfleet/loadgen/__init__.py tokenfleet/loadgen/workload.py tokenfleet/loadgen/client.py \
-	tokenfleet/loadgen/batch_job.py tokenfleet/loadgen/report.py tokenfleet/loadgen/run.py
+	tokenfleet/loadgen/batch_job.py tokenfleet/loadgen/report.py tokenfleet/loadgen/run.py \
+	$(wildcard tokenfleet/sim/*.py)
 
 .PHONY: install test lint prepare serve clean
 

@@ -15,6 +15,7 @@ import pytest
 import tokenfleet.scheduler
 import tokenfleet.sim.dispatch
 from tokenfleet.kv_cache import KVCacheManager
+from tokenfleet.loadgen.report import percentile
 from tokenfleet.server.dispatcher import lease_room
 from tokenfleet.sim.autoscaler import (
     AutoscalerConfig,
@@ -32,6 +33,8 @@ from tokenfleet.sim.cost_model import (
 from tokenfleet.sim.dispatch import BatchBacklog, JobState, room
 from tokenfleet.sim.fleet import SimSettings, Simulation
 from tokenfleet.sim.hardware import deployment
+from tokenfleet.sim.metrics import Targets
+from tokenfleet.sim.report import format_table, plot, summarize, targets_met
 from tokenfleet.sim.router import Router, RouterConfig
 from tokenfleet.sim.run import cost_models, interactive_stream, job_submissions, simulate
 from tokenfleet.sim.trace import TraceError, read_trace, write_trace
@@ -398,3 +401,32 @@ def test_config_errors_name_the_setting() -> None:
         small_config(colour="blue")
     with pytest.raises(ConfigError, match="policies"):
         small_config(policies=[{"name": "random", "replicas": 2}])
+
+
+def test_report_summarizes_renders_and_plots(tmp_path: Path) -> None:
+    config = small_config(duration_s=10.0)
+    result = simulate(config, config.policies[0])
+    summary = summarize(result, config.targets)
+    assert summary["accelerator_hours"] == pytest.approx(2 * 10.0 / 3600)
+    interactive = summary["classes"][INTERACTIVE]
+    log = result.metrics.classes[INTERACTIVE]
+    assert interactive["finished"] == log.num_finished > 0
+    assert interactive["ttft_s"]["p50"] == percentile(list(log.ttft_s), 50)
+    tokens = sum(c.prompt_tokens + c.output_tokens for c in result.metrics.classes.values())
+    assert summary["tokens_per_accelerator_hour"] == pytest.approx(tokens / (20 / 3600))
+    assert summary["timeline"]["time_s"] == [0.0, 5.0]
+    table = format_table([summary])
+    assert table.splitlines()[2].startswith("priority  interactive")
+    plot(tmp_path / "sim.png", [summary])
+    assert (tmp_path / "sim.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_targets_are_met_only_when_all_four_percentiles_are() -> None:
+    targets = Targets()
+    ok = {"ttft_s": {"p50": 0.5, "p99": 2.0}, "tpot_s": {"p50": 0.04, "p99": 0.06}}
+    assert targets_met(ok, targets)
+    for kind, q in [("ttft_s", "p50"), ("ttft_s", "p99"), ("tpot_s", "p50"), ("tpot_s", "p99")]:
+        worse = {k: dict(v) for k, v in ok.items()}
+        worse[kind][q] *= 1.01
+        assert not targets_met(worse, targets)
+    assert not targets_met({"ttft_s": {"p50": None, "p99": None}, "tpot_s": ok["tpot_s"]}, targets)
