@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from tokenfleet.admission import AdmissionControl, Decodes, InFlightRequests, predict_ttft
+from tokenfleet.admission import (
+    AdmissionControl,
+    Decodes,
+    InFlightRequests,
+    StepLimit,
+    predict_ttft,
+)
 from tokenfleet.config import EngineConfig
 from tokenfleet.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from tokenfleet.sampling_params import SamplingParams
@@ -78,6 +84,40 @@ def test_a_one_token_chunk_is_priced_as_the_decode_the_runner_makes_of_it() -> N
     # 513 tokens at 512 a step: the last token is a one-token query, so a decode.
     expected = (A + _prefill(512, 0)) + (A + C + 513 * D)
     assert predict_ttft(COEF, 512, 513) == expected
+
+
+def test_prompts_beside_interactive_decodes_are_cut_to_the_step_limit() -> None:
+    decodes, limit = Decodes(3, 3000), StepLimit(2.0**-4, 16)
+    # The decodes cost A + 3C + 3000D; 21 prompt tokens fit beside them, 22 do not.
+    assert A + 3 * C + 3000 * D + _prefill(21, 0) <= limit.seconds
+    assert A + 3 * C + 3000 * D + _prefill(22, 0) > limit.seconds
+    step1 = A + 3 * C + 3000 * D + _prefill(21, 0)
+    step2 = A + 3 * C + 3003 * D + _prefill(9, 21)
+    assert predict_ttft(COEF, 512, 30, (), decodes, limit=limit) == step1 + step2
+    # Without the limit (fcfs) the prompt goes whole in one step.
+    assert predict_ttft(COEF, 512, 30, (), decodes) == A + 3 * C + 3000 * D + _prefill(30, 0)
+
+
+def test_decodes_over_the_limit_leave_prompts_the_floor() -> None:
+    decodes, limit = Decodes(3, 3000), StepLimit(2.0**-6, 16)
+    steps = [
+        A + 3 * C + 3000 * D + _prefill(16, 0),
+        A + 3 * C + 3003 * D + _prefill(16, 16),
+        A + 3 * C + 3006 * D + _prefill(8, 32),
+    ]
+    assert predict_ttft(COEF, 512, 40, (), decodes, limit=limit) == sum(steps)
+
+
+def test_batch_in_flight_fills_each_step_up_to_the_limit() -> None:
+    limit = StepLimit(0.5, 16)
+    assert predict_ttft(COEF, 512, 100, limit=limit) == A + _prefill(100, 0)  # no batch
+    assert predict_ttft(COEF, 512, 100, limit=limit, batch_in_flight=True) == 0.5
+    # Batch decodes no longer ride in the token budget: they are in the limit.
+    assert predict_ttft(COEF, 512, 100, (), Decodes(), Decodes(2, 1000), limit) == 0.5
+    # A step over the limit by itself (the middle chunk) keeps its own time.
+    assert A + _prefill(512, 512) > 0.5 > A + _prefill(512, 0)
+    expected = 0.5 + (A + _prefill(512, 512)) + 0.5
+    assert predict_ttft(COEF, 512, 1200, limit=limit, batch_in_flight=True) == expected
 
 
 def test_missing_terms_count_as_zero() -> None:
@@ -211,6 +251,14 @@ def tokenizer(model_folder: Path) -> Tokenizer:
 def _service(engine: _Engine, tokenizer: Tokenizer, ttft_target_s: float) -> GenerationService:
     config = ServeConfig(ttft_target_s=ttft_target_s)
     return GenerationService(engine, tokenizer, config, Metrics(lambda: engine.stats))  # type: ignore[arg-type]
+
+
+def test_service_predicts_with_the_engine_step_limit(tokenizer: Tokenizer) -> None:
+    engine = _Engine(None)
+    engine.config = EngineConfig(tpot_target_s=0.25, harvest_margin=0.5, min_prefill_chunk=8)
+    assert _service(engine, tokenizer, 2.0).admission.limit == StepLimit(0.125, 8)
+    engine.config = EngineConfig(scheduling_policy="fcfs")
+    assert _service(engine, tokenizer, 2.0).admission.limit is None
 
 
 def test_service_refuses_interactive_over_target_with_529_and_never_batch(

@@ -9,8 +9,11 @@ The prediction replays the engine's schedule (scheduler.py) on those numbers: ea
 the running interactive decodes take one token each of `max_num_batched_tokens`, the
 prompts ahead and then the new one fill the rest in chunks, and running batch decodes ride
 along in what is left; each step costs what the step-time model says, and the TTFT is the
-sum up to the step that finishes the new prompt. Before the engine has sent coefficients,
-an exponential moving average of the prefill speed seen from the gateway stands in.
+sum up to the step that finishes the new prompt. Under the priority policy (a StepLimit,
+harvest.py) prompt chunks beside interactive decodes are cut to the step limit (at least
+the floor), and where batch work is in flight it fills each step up to the limit. Before
+the engine has sent coefficients, an exponential moving average of the prefill speed seen
+from the gateway stands in.
 
 Torch-free; time is passed in.
 """
@@ -22,6 +25,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tokenfleet.harvest import pack
 from tokenfleet.step_model import TERMS, StepFeatures
 
 
@@ -33,10 +37,30 @@ class Decodes:
     num_kv_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class StepLimit:
+    """The priority policy's limit on a step beside interactive work (harvest.py):
+    `seconds` = TPOT target less the margin; prompts beside decodes get at least
+    `min_prefill_chunk` tokens a step."""
+
+    seconds: float
+    min_prefill_chunk: int
+
+
 def step_seconds(coefficients: Mapping[str, float], features: StepFeatures) -> float:
     """A step's predicted time: the step-time model with `coefficients` (term -> value)."""
     values = zip(TERMS, features.vector(), strict=True)
     return sum(coefficients.get(term, 0.0) * float(v) for term, v in values)
+
+
+@dataclass(frozen=True, slots=True)
+class _Priced:
+    """The coefficients as a StepCost (harvest.py)."""
+
+    coefficients: Mapping[str, float]
+
+    def predict(self, features: StepFeatures) -> float:
+        return step_seconds(self.coefficients, features)
 
 
 def predict_ttft(
@@ -46,13 +70,17 @@ def predict_ttft(
     prompts_ahead: Sequence[int] = (),
     interactive: Decodes = Decodes(),
     batch: Decodes = Decodes(),
+    limit: StepLimit | None = None,
+    batch_in_flight: bool | None = None,
 ) -> float:
     """Seconds until a new interactive prompt of `num_prompt_tokens` is prefilled, behind
     the interactive `prompts_ahead` (oldest first) and with the given running decodes.
 
     A prompt ahead whose prefill ends joins the interactive decodes from the next step on,
     and every decode's context grows by a token a step. Prefix-cache hits are not known
-    here, so every prompt is priced in full (a pessimistic bound)."""
+    here, so every prompt is priced in full (a pessimistic bound). With a `limit`, prompt
+    chunks beside interactive decodes are cut to it, and a step with batch work in flight
+    (`batch_in_flight`, by default: batch decodes running) takes at least the limit."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
     prefills = deque([*prompts_ahead, num_prompt_tokens])
@@ -65,6 +93,10 @@ def predict_ttft(
         # with max_num_seqs under max_num_batched_tokens, and the loop must end.
         budget = max(max_num_batched_tokens - num_i, 1)
         step = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i)
+        if limit is not None and num_i:
+            chunks = [(pos, prefills[0] - pos), *((0, n) for n in list(prefills)[1:])]
+            fits = pack(_Priced(coefficients), step, chunks, limit.seconds, budget)
+            budget = min(budget, max(fits, limit.min_prefill_chunk))
         joined, joined_kv = 0, 0
         while budget and prefills:
             num_new = min(prefills[0] - pos, budget)
@@ -76,10 +108,13 @@ def predict_ttft(
                 joined, joined_kv = joined + 1, joined_kv + pos + 1
                 prefills.popleft()
                 pos = 0
-        riding = min(num_b, budget)
+        riding = min(num_b, budget) if limit is None else 0
         if riding:
             step += StepFeatures(decode_seqs=riding, kv_tokens_read=kv_b * riding // num_b)
-        total += step_seconds(coefficients, step)
+        seconds = step_seconds(coefficients, step)
+        if limit is not None and (num_b > 0 if batch_in_flight is None else batch_in_flight):
+            seconds = max(seconds, limit.seconds)  # batch fills the step up to the limit
+        total += seconds
         if not prefills:
             return total
         kv_i += num_i + joined_kv
@@ -150,6 +185,9 @@ class InFlightRequests:
             if r.interactive and r.first_token_time is None
         ]
 
+    def has_batch(self) -> bool:
+        return any(not r.interactive for r in self._requests.values())
+
     def decodes(self, *, interactive: bool) -> Decodes:
         """The class's requests past their first token. Their context is counted as the
         prompt plus one token: the gateway does not track each one's outputs here."""
@@ -181,11 +219,18 @@ class AdmissionControl:
     EMA_MIN_PROMPT_TOKENS = 32
     EMA_WEIGHT = 0.2
 
-    def __init__(self, ttft_target_s: float, initial_prefill_tokens_per_s: float) -> None:
+    def __init__(
+        self,
+        ttft_target_s: float,
+        initial_prefill_tokens_per_s: float,
+        limit: StepLimit | None = None,
+    ) -> None:
+        """`limit`: the engine's step limit under the priority policy (None for fcfs)."""
         if ttft_target_s <= 0 or initial_prefill_tokens_per_s <= 0:
             raise ValueError("the TTFT target and the initial prefill speed must be positive")
         self.ttft_target_s = ttft_target_s
         self.prefill_tokens_per_s = initial_prefill_tokens_per_s
+        self.limit = limit
         self.requests = InFlightRequests()
 
     def predict(
@@ -205,6 +250,8 @@ class AdmissionControl:
             ahead,
             self.requests.decodes(interactive=True),
             self.requests.decodes(interactive=False),
+            self.limit,
+            self.requests.has_batch(),
         )
         return seconds, "step_model"
 

@@ -14,10 +14,11 @@ from typing import Any, TypeVar
 from fastapi import Request
 from prometheus_client import Histogram
 
-from tokenfleet.admission import AdmissionControl, Verdict
+from tokenfleet.admission import AdmissionControl, StepLimit, Verdict
 from tokenfleet.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
 from tokenfleet.errors import InvalidRequestError
+from tokenfleet.harvest import step_time_limit
 from tokenfleet.outputs import EngineCoreRequest, TokenLogprobs
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.errors import APIError
@@ -86,7 +87,14 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
-        self.admission = AdmissionControl(config.ttft_target_s, config.initial_prefill_tokens_per_s)
+        engine = client.config
+        limit = None
+        if engine.scheduling_policy == "priority":
+            seconds = step_time_limit(engine.tpot_target_s, engine.harvest_margin)
+            limit = StepLimit(seconds, engine.min_prefill_chunk)
+        self.admission = AdmissionControl(
+            config.ttft_target_s, config.initial_prefill_tokens_per_s, limit
+        )
         # metrics.py is the engine's and the latency histograms' file; this one is admission's.
         self.ttft_prediction_error = Histogram(
             "tokenfleet_ttft_prediction_error_ratio",
