@@ -9,12 +9,14 @@ Per deployment (Llama-3-8B on H200; Llama-3-70B on H200 with TP 4), measured:
 * batch throughput: output tokens per second of a replica saturated by batch alone;
 * priority capacity: the same search with a saturating batch job beside it (harvest
   budget), and the batch tokens/s the replica harvests at that rate;
-* fcfs: whether the targets hold with batch beside interactive at the lowest rate tried.
+* fcfs capacity: the same search under the engine's fcfs policy with the batch job.
 
-Then for the stated demand (peak interactive rate, daily batch requests):
-separate = ceil(peak / interactive capacity) + ceil(daily batch tokens / (batch tokens/s
-x 86400)); priority = enough replicas for the peak at the priority capacity and for the
-daily batch at the harvested rate (taken at peak load: a lower bound over the day).
+Then for the stated demand (peak interactive rate following the default daily curve,
+daily batch requests at the 256-token output median): separate = ceil(peak / interactive
+capacity) + ceil(daily batch tokens / (batch tokens/s x 86400)); one pool (priority or
+fcfs) = the fewest replicas that carry the peak within that policy's capacity and whose
+batch tokens over the day, hour by hour at that hour's interactive rate per replica
+(interpolated between the rates measured, batch alone at 0), reach the daily volume.
 
     .venv/bin/python bench/sim_sizing.py --out bench-out      # ~10 min per deployment
 """
@@ -22,6 +24,7 @@ daily batch at the harvested rate (taken at peak load: a lower bound over the da
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -32,6 +35,7 @@ from typing import Any
 from tokenfleet.sim.config import parse_config
 from tokenfleet.sim.report import summarize
 from tokenfleet.sim.run import simulate
+from tokenfleet.sim.workload import DEFAULT_DAILY_CURVE
 
 DEPLOYMENTS = {
     "llama-3-8b / H200": {"model": "llama-3-8b", "tensor_parallel": 1, "peak": 100.0,
@@ -58,6 +62,7 @@ def run(
             },
             "batch_jobs": [{"num_requests": BATCH}] if batch else [],
             "policies": [{"name": policy, "replicas": REPLICAS}],
+            "replica": {"tpot_target_s": deployment["tpot_target_s"]},
             "sample_s": duration,
         }
     )
@@ -96,27 +101,60 @@ def capacity(
     return best
 
 
+def harvest(runs: list[dict[str, Any]], policy: str, alone: float) -> list[tuple[float, float]]:
+    """(interactive rate per replica, batch tokens/s per replica) measured for `policy`
+    with the batch job, rate 0 being batch alone; sorted by rate."""
+    points = {0.0: alone}
+    for r in runs:
+        if r["policy"] == policy and r["batch"]:
+            points[r["rate_per_replica"]] = r["batch_tokens_per_replica_s"]
+    return sorted(points.items())
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
+
+
+def one_pool(
+    peak: float, capacity: float, points: list[tuple[float, float]], daily_tokens: float
+) -> int:
+    """Fewest replicas carrying the peak and the day's batch (see the module doc)."""
+    n = math.ceil(peak / capacity)
+    while n < 100_000:
+        made = sum(
+            3600 * n * interpolate(points, peak * factor / n) for factor in DEFAULT_DAILY_CURVE
+        )
+        if made >= daily_tokens:
+            return n
+        n += 1
+    raise ValueError("no fleet size carries the batch")
+
+
 def size(name: str, deployment: dict[str, Any], duration: float) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     interactive = capacity(deployment, "priority", False, duration, runs)
     batch_only = run(deployment, "priority", 0.0, True, duration)
-    priority = capacity(deployment, "priority", True, duration, runs)
-    fcfs = run(deployment, "fcfs", 0.25, True, duration)
-    runs += [{"policy": "batch alone", **batch_only}, {"policy": "fcfs", **fcfs}]
+    runs.append({"policy": "batch alone", "batch": True, **batch_only})
+    one = {p: capacity(deployment, p, True, duration, runs) for p in ("priority", "fcfs")}
     tp = deployment["tensor_parallel"]
+    peak = deployment["peak"]
     daily_tokens = deployment["daily_batch"] * 256  # the output median, as configured
+    alone = batch_only["batch_tokens_per_replica_s"]
     sizes: dict[str, Any] = {}
     if interactive:
         sizes["separate"] = tp * (
-            math.ceil(deployment["peak"] / interactive["rate_per_replica"])
-            + math.ceil(daily_tokens / (batch_only["batch_tokens_per_replica_s"] * 86400))
+            math.ceil(peak / interactive["rate_per_replica"])
+            + math.ceil(daily_tokens / (alone * 86400))
         )
-    if priority and priority["batch_tokens_per_replica_s"] > 0:
-        sizes["priority"] = tp * max(
-            math.ceil(deployment["peak"] / priority["rate_per_replica"]),
-            math.ceil(daily_tokens / (priority["batch_tokens_per_replica_s"] * 86400)),
-        )
-    sizes["fcfs"] = "not met at 0.25/s/replica" if not fcfs["met"] else "met at 0.25/s/replica"
+    for policy, best in one.items():
+        if best is None:
+            sizes[policy] = "targets not met at 0.25/s per replica or more"
+            continue
+        points = [p for p in harvest(runs, policy, alone) if p[0] <= best["rate_per_replica"]]
+        sizes[policy] = tp * one_pool(peak, best["rate_per_replica"], points, daily_tokens)
     return {
         "deployment": name,
         **deployment,
@@ -124,8 +162,7 @@ def size(name: str, deployment: dict[str, Any], duration: float) -> dict[str, An
         "accelerators": sizes,
         "interactive_capacity": interactive,
         "batch_alone": batch_only,
-        "priority_capacity": priority,
-        "fcfs": fcfs,
+        "one_pool_capacity": one,
         "runs": runs,
     }
 
@@ -134,6 +171,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration", type=float, default=60.0, help="simulated s a run")
     parser.add_argument("--only", help="one deployment name")
+    parser.add_argument("--tpot-target", type=float, default=0.06, help="the harvest's")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -143,9 +181,9 @@ def main() -> int:
             continue
         print(name, flush=True)
         began = time.perf_counter()
-        results.append(
-            size(name, deployment, args.duration) | {"wall_s": time.perf_counter() - began}
-        )
+        deployment = {**deployment, "tpot_target_s": args.tpot_target}
+        result = size(name, deployment, args.duration)
+        results.append(result | {"wall_s": time.perf_counter() - began})
         print(json.dumps(results[-1]["accelerators"]), flush=True)
         (args.out / "sim_sizing.json").write_text(json.dumps(results, indent=1))
     return 0

@@ -191,9 +191,10 @@ def test_the_simulator_drives_the_engines_own_scheduler(monkeypatch: pytest.Monk
     assert sim.metrics.classes[INTERACTIVE].num_finished > 0
 
 
-def test_leaping_equals_stepping() -> None:
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_leaping_equals_stepping(policy: str) -> None:
     # Long enough for everything to finish: the blocks held at the end compare too.
-    config = small_config(duration_s=200.0)
+    config = small_config(duration_s=200.0, policies=[{"name": policy, "replicas": 2}])
     stepped, leapt = run_small(config, leap=False), run_small(config, leap=True)
     replicas = [r for pool in leapt.pools for r in pool.replicas.values()]
     assert sum(r.num_leap_steps for r in replicas) > 1000  # it did leap
