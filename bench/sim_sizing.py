@@ -12,11 +12,14 @@ Per deployment (Llama-3-8B on H200; Llama-3-70B on H200 with TP 4), measured:
 * fcfs capacity: the same search under the engine's fcfs policy with the batch job.
 
 Then for the stated demand (peak interactive rate following the default daily curve,
-daily batch requests at the 256-token output median): separate = ceil(peak / interactive
-capacity) + ceil(daily batch tokens / (batch tokens/s x 86400)); one pool (priority or
-fcfs) = the fewest replicas that carry the peak within that policy's capacity and whose
-batch tokens over the day, hour by hour at that hour's interactive rate per replica
-(interpolated between the rates measured, batch alone at 0), reach the daily volume.
+daily batch requests at the batch job's mean output length, ~421 tokens):
+
+    separate  = ceil(peak / interactive capacity)
+                + ceil(daily batch tokens / (batch-alone tokens/s x 86400))
+    one pool  = the fewest replicas that carry the peak within the policy's capacity and
+                whose batch tokens over the day, hour by hour at that hour's interactive
+                rate per replica (interpolated between the rates measured, batch alone
+                at 0), reach the daily volume (priority, fcfs)
 
     .venv/bin/python bench/sim_sizing.py --out bench-out      # ~10 min per deployment
 """
@@ -27,6 +30,8 @@ import argparse
 import itertools
 import json
 import math
+import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,7 +40,7 @@ from typing import Any
 from tokenfleet.sim.config import parse_config
 from tokenfleet.sim.report import summarize
 from tokenfleet.sim.run import simulate
-from tokenfleet.sim.workload import DEFAULT_DAILY_CURVE
+from tokenfleet.sim.workload import DEFAULT_DAILY_CURVE, BatchJob
 
 DEPLOYMENTS = {
     "llama-3-8b / H200": {"model": "llama-3-8b", "tensor_parallel": 1, "peak": 100.0,
@@ -101,6 +106,14 @@ def capacity(
     return best
 
 
+def mean_output_tokens(samples: int = 100_000) -> float:
+    """The mean output length of the batch job's requests (the lognormal's mean, well
+    above its 256-token median), from the job's own length distribution."""
+    rng = random.Random(0)
+    lengths = BatchJob().lengths
+    return statistics.fmean(lengths.draw(rng)[1] for _ in range(samples))
+
+
 def harvest(runs: list[dict[str, Any]], policy: str, alone: float) -> list[tuple[float, float]]:
     """(interactive rate per replica, batch tokens/s per replica) measured for `policy`
     with the batch job, rate 0 being batch alone; sorted by rate."""
@@ -139,32 +152,37 @@ def size(name: str, deployment: dict[str, Any], duration: float) -> dict[str, An
     batch_only = run(deployment, "priority", 0.0, True, duration)
     runs.append({"policy": "batch alone", "batch": True, **batch_only})
     one = {p: capacity(deployment, p, True, duration, runs) for p in ("priority", "fcfs")}
-    tp = deployment["tensor_parallel"]
-    peak = deployment["peak"]
-    daily_tokens = deployment["daily_batch"] * 256  # the output median, as configured
-    alone = batch_only["batch_tokens_per_replica_s"]
-    sizes: dict[str, Any] = {}
-    if interactive:
-        sizes["separate"] = tp * (
-            math.ceil(peak / interactive["rate_per_replica"])
-            + math.ceil(daily_tokens / (alone * 86400))
-        )
-    for policy, best in one.items():
-        if best is None:
-            sizes[policy] = "targets not met at 0.25/s per replica or more"
-            continue
-        points = [p for p in harvest(runs, policy, alone) if p[0] <= best["rate_per_replica"]]
-        sizes[policy] = tp * one_pool(peak, best["rate_per_replica"], points, daily_tokens)
-    return {
+    result = {
         "deployment": name,
         **deployment,
         "window_s": duration,
-        "accelerators": sizes,
         "interactive_capacity": interactive,
         "batch_alone": batch_only,
         "one_pool_capacity": one,
         "runs": runs,
     }
+    return result | {"accelerators": compose(result)}
+
+
+def compose(result: dict[str, Any]) -> dict[str, Any]:
+    """Accelerator counts from a result's measured runs (size() without running)."""
+    runs = result["runs"]
+    tp, peak = result["tensor_parallel"], result["peak"]
+    daily_tokens = result["daily_batch"] * mean_output_tokens()
+    alone = result["batch_alone"]["batch_tokens_per_replica_s"]
+    sizes: dict[str, Any] = {}
+    if result["interactive_capacity"]:
+        sizes["separate"] = tp * (
+            math.ceil(peak / result["interactive_capacity"]["rate_per_replica"])
+            + math.ceil(daily_tokens / (alone * 86400))
+        )
+    for policy, best in result["one_pool_capacity"].items():
+        if best is None:
+            sizes[policy] = "targets not met at 0.25/s per replica or more"
+            continue
+        points = [p for p in harvest(runs, policy, alone) if p[0] <= best["rate_per_replica"]]
+        sizes[policy] = tp * one_pool(peak, best["rate_per_replica"], points, daily_tokens)
+    return sizes
 
 
 def main() -> int:
