@@ -78,8 +78,14 @@ def run(
         "interactive": {
             k: s["classes"]["interactive"][k] for k in ("ttft_s", "tpot_s", "finished")
         },
-        "batch_tokens_per_replica_s": s["classes"]["batch"]["output_tokens"] / duration / REPLICAS,
+        "batch_tokens_per_replica_s": batch_tokens(s["classes"]["batch"]) / duration / REPLICAS,
     }
+
+
+def batch_tokens(summary: dict[str, Any]) -> int:
+    """Output tokens batch made in the window, finished requests or not (a 60 s window
+    ends most long outputs unfinished)."""
+    return int(summary["output_tokens"] + summary["unfinished_output_tokens"])
 
 
 def capacity(

@@ -351,13 +351,21 @@ class Simulation:
         self.metrics.samples.append(Sample(self.now, replicas, usage))
 
     def _close(self) -> None:
+        """Count what the run left unfinished: accelerator time to the end, and the
+        tokens of requests still running (their leaps applied up to now first)."""
         for pool in self.pools:
             for replica_id, replica in pool.replicas.items():
+                if replica.busy_until is not None and replica.busy_until > self.now:
+                    self._deliver(replica_id, replica.cut(self.now))
                 self._count_steps(replica)
                 self.metrics.accelerator_s += self._accelerator_s(pool.started_at[replica_id])
-        for request in self._requests.values():
-            if request.arrival.kind == INTERACTIVE:
-                self.metrics.classes[INTERACTIVE].num_unfinished += 1
+        for req_id, request in self._requests.items():
+            log = self.metrics.classes[request.arrival.kind]
+            log.num_unfinished += request.arrival.kind == INTERACTIVE
+            holder = self.pools[request.pool].replicas.get(request.replica_id)
+            state = None if holder is None else holder.scheduler.requests.get(req_id)
+            if state is not None:
+                log.unfinished_output_tokens += state.num_output_tokens
         self.metrics.classes[BATCH].num_unfinished = sum(
             j.num_requests - j.num_done for j in self.backlog.jobs.values()
         )

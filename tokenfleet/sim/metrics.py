@@ -35,6 +35,7 @@ class ClassLog:
     num_finished: int = 0
     num_refused: int = 0
     num_unfinished: int = 0  # still running when the simulation ended
+    unfinished_output_tokens: int = 0  # what those had made by then
     num_met: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0

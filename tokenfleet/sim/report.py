@@ -36,6 +36,7 @@ def _class_summary(log: ClassLog) -> dict[str, Any]:
         "within_targets": log.num_met,
         "prompt_tokens": log.prompt_tokens,
         "output_tokens": log.output_tokens,
+        "unfinished_output_tokens": log.unfinished_output_tokens,
         "ttft_s": _latency(log.ttft_s),
         "tpot_s": _latency(log.tpot_s),
     }
@@ -55,8 +56,12 @@ def summarize(result: PolicyResult, targets: Targets) -> dict[str, Any]:
     interactive = classes[INTERACTIVE]
     # Requests still running at the end are left out: their latencies are not known.
     sent = interactive["finished"] + interactive["refused"]
-    tokens = sum(c["prompt_tokens"] + c["output_tokens"] for c in classes.values())
-    output = sum(c["output_tokens"] for c in classes.values())
+    tokens = sum(
+        c["prompt_tokens"] + c["output_tokens"] + c["unfinished_output_tokens"]
+        for c in classes.values()
+    )
+    # Tokens made, finished or not: a short run would otherwise miss long outputs.
+    output = sum(c["output_tokens"] + c["unfinished_output_tokens"] for c in classes.values())
     hours = m.accelerator_s / 3600
     return {
         "policy": result.policy.name,
