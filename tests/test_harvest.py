@@ -506,5 +506,19 @@ def test_fcfs_policy_is_arrival_order_without_a_harvest_budget(
     if policy == "fcfs":
         assert {s.req_id: s.num_tokens for s in outs[1].scheduled} == second_step
         assert engine.last_batch_token_budget is None  # never asked
+    # Either way the stats count each request in the class it came as (the batch
+    # dispatcher sizes its leases by the engine's running batch requests).
+    stats = engine.stats()
+    assert stats.num_running_by_class == {"interactive": 1, "batch": 1}
+    engine.add_request(_request("b1", [300] * 20, 4, PRIORITY_BATCH))
+    assert engine.stats().num_waiting_by_class == {"interactive": 0, "batch": 1}
+    engine.abort(["b1"])
+    while engine.has_unfinished_requests():
+        engine.step(0.1)
+    stats = engine.stats()
+    assert (
+        stats.num_running_by_class == stats.num_waiting_by_class == {"interactive": 0, "batch": 0}
+    )
+    assert engine._fcfs_batch == set()
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="lifo")

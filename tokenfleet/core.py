@@ -96,6 +96,9 @@ class EngineCore:
         # harvest budget of the latest step with batch work to plan (None before any).
         self.last_prediction: float | None = None
         self.last_batch_token_budget: int | None = None
+        # Under fcfs every request is scheduled as one class; the ids that came as batch,
+        # so that stats (and the batch dispatcher's view of the engine) still count them.
+        self._fcfs_batch: set[str] = set()
         self.last_step_time = time.monotonic()  # the heartbeat the gateway's health reads
 
     def profile_step_time(self) -> None:
@@ -140,6 +143,9 @@ class EngineCore:
             )
         if request.req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use", param="req_id")
+        fcfs = self.config.scheduling_policy == "fcfs"
+        if fcfs and request.priority > PRIORITY_INTERACTIVE:
+            self._fcfs_batch.add(request.req_id)
         self.scheduler.add_request(
             Request(
                 request.req_id,
@@ -148,13 +154,14 @@ class EngineCore:
                 arrival_time=request.arrival_time,
                 eos_token_id=self.eos_token_id,
                 # FCFS: one class, so arrival order alone decides.
-                priority=request.priority if self.config.scheduling_policy == "priority" else 0,
+                priority=0 if fcfs else request.priority,
                 deadline=request.deadline,
             )
         )
 
     def abort(self, req_ids: list[str]) -> None:
         self._pending.extend(self.scheduler.abort_requests(req_ids))
+        self._fcfs_batch.difference_update(req_ids)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -189,6 +196,8 @@ class EngineCore:
         if not scheduler_output.is_empty:
             self.step_model.observe(features, time.perf_counter() - began)
         outputs = self._pending + self.scheduler.update(scheduler_output, runner_output)
+        if self._fcfs_batch:
+            self._fcfs_batch.difference_update(o.req_id for o in outputs if o.finished)
         self._pending = []
         self.last_step_time = time.monotonic()
         return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
@@ -196,12 +205,17 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         errors = self.step_model.prediction_error_quantiles((0.5, 0.99))
         scheduler = self.scheduler
-        num_running_interactive = sum(r.is_interactive for r in scheduler.running)
-        num_waiting_interactive = sum(
-            scheduler.waiting.num_waiting(p)
-            for p in scheduler.waiting.priorities
-            if p <= PRIORITY_INTERACTIVE
-        )
+        if self._fcfs_batch:  # one scheduling class: count by the class each came as
+            batch = self._fcfs_batch
+            num_running_interactive = sum(r.req_id not in batch for r in scheduler.running)
+            num_waiting_interactive = sum(r.req_id not in batch for r in scheduler.waiting)
+        else:
+            num_running_interactive = sum(r.is_interactive for r in scheduler.running)
+            num_waiting_interactive = sum(
+                scheduler.waiting.num_waiting(p)
+                for p in scheduler.waiting.priorities
+                if p <= PRIORITY_INTERACTIVE
+            )
         preempted = scheduler.num_preemptions_by_priority
         num_preempted_interactive = sum(
             n for p, n in preempted.items() if p <= PRIORITY_INTERACTIVE
