@@ -596,6 +596,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--prefill-probe-len", type=int, default=1000, help="prompt tokens for the prefill rate")
     add("--probe-s", type=float, help="seconds per capacity probe level (20; quick 8)")
     add("--out", type=Path, default=Path("bench/results"))
+    add(
+        "--rerun",
+        type=Path,
+        help="an earlier mixed_load.json: run --configs again with its calibration and "
+        "workload, and write it back with their rows replaced",
+    )
     args = parser.parse_args(argv)
     args.duration = args.duration or (30.0 if args.quick else 300.0)
     args.drain = args.drain if args.drain is not None else (15.0 if args.quick else 60.0)
@@ -638,14 +644,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     rows: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
+    earlier = json.loads(args.rerun.read_text()) if args.rerun else None
     with tempfile.TemporaryDirectory(prefix="tokenfleet-mixed-") as tmp_name:
         tmp = Path(tmp_name)
-        with tokenfleet_server(args, tmp, "calibration", "priority", None) as server:
-            cal = calibrate(server.url, args, workload)
+        if earlier is not None:  # the same calibration and workload as that run
+            cal = Calibration(**earlier["calibration"])
+            log(f"calibration and workload of {args.rerun} ({earlier['date']})")
+        else:
+            with tokenfleet_server(args, tmp, "calibration", "priority", None) as server:
+                cal = calibrate(server.url, args, workload)
         # enough batch work for the whole run even at 20x the single-stream token rate
         num_batch = args.num_batch or math.ceil(
             20 / cal.decode_step_s * (args.duration + args.drain) / cal.mean_output_len
         )
+        if earlier is not None:
+            num_batch = earlier["workload"]["num_batch"]
         log(
             f"capacity {cal.capacity_rps:.2f} req/s; interactive rate {cal.rate_rps:.3f} req/s;"
             f" batch {num_batch} requests"
@@ -669,6 +682,14 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 skipped[key] = str(exc)[:500]
                 log(f"skipping {key}: it did not start ({str(exc)[:200]})")
+    reran: dict[str, str] = {}
+    if earlier is not None:  # this run's rows replace that run's, the others are kept
+        reran = dict.fromkeys(rows, started_at.isoformat(timespec="seconds"))
+        reran = earlier.get("reran", {}) | reran
+        rows = {k: v for k, v in earlier["configs"].items() if k not in rows} | rows
+        order = [*OURS, *PEERS]
+        rows = dict(sorted(rows.items(), key=lambda kv: order.index(kv[0])))
+        skipped = {k: v for k, v in earlier.get("skipped", {}).items() if k not in rows} | skipped
     rats = ratios(rows)
     print(table(rows, rats))
     result = {
@@ -683,7 +704,11 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": rats,
         "configs": rows,
         "skipped": skipped,
+        "reran": reran,  # configurations run again later (--rerun), and when
     }
+    if earlier is not None:
+        result |= {k: earlier[k] for k in ("command", "date", "machine", "args", "workload")}
+        result["rerun_command"] = shlex.join([sys.executable, *sys.argv])
     args.out.mkdir(parents=True, exist_ok=True)
     json_path, png_path = args.out / f"{RESULT_NAME}.json", args.out / f"{RESULT_NAME}.png"
     json_path.write_text(json.dumps(result, indent=1) + "\n")
