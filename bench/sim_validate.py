@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument("--output-median", type=int, default=48)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     engine = EngineCore(
