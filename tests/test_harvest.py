@@ -259,11 +259,14 @@ def test_prompts_are_capped_only_while_streams_decode_beside_them() -> None:
     assert _prefill_budget([decoding], waiting()) == 444
     # Within the step's token budget (512, less the decode).
     assert _prefill_budget([decoding, _req("p0", 1000)]) == 511
-    # Streams that alone fill the step: the floor, so the prompt still advances.
+    # Not even one prompt token fits beside the decodes: the floor, so it still advances.
+    late = _req("late", 40_000, 39_000)
+    assert _prefill_budget([decoding, late]) == 16
+    assert _prefill_budget([decoding, late], min_tokens=3) == 3
+    # Streams that alone break the limit: no cut could meet it, so none.
     many = [_req(f"d{n}", 41, 40) for n in range(40)]
     assert MODEL.predict(StepFeatures(decode_seqs=40, kv_tokens_read=40 * 41)) > LIMIT * TICK
-    assert _prefill_budget([*many, prompt]) == 16
-    assert _prefill_budget([*many, prompt], min_tokens=3) == 3
+    assert _prefill_budget([*many, prompt]) is None
 
 
 def test_scheduler_caps_prompt_chunks_not_decodes() -> None:

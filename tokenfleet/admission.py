@@ -93,7 +93,7 @@ def predict_ttft(
         # with max_num_seqs under max_num_batched_tokens, and the loop must end.
         budget = max(max_num_batched_tokens - num_i, 1)
         step = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i)
-        if limit is not None and num_i:
+        if limit is not None and num_i and step_seconds(coefficients, step) <= limit.seconds:
             chunks = [(pos, prefills[0] - pos), *((0, n) for n in list(prefills)[1:])]
             fits = pack(_Priced(coefficients), step, chunks, limit.seconds, budget)
             budget = min(budget, max(fits, limit.min_prefill_chunk))

@@ -22,7 +22,8 @@ keeps decodes + prompt chunks within the limit, so a long prompt arriving among 
 is cut into chunks instead of stalling them for a whole 512-token chunk. It never goes
 below a floor (`min_tokens`), so a prompt always advances: where even a one-token chunk
 of it is predicted over the limit (a prompt late in a long context, on slow hardware),
-the floor decides between its TTFT and the streams' gap. Torch-free and pure: the engine
+the floor decides between its TTFT and the streams' gap. Where the decodes alone are
+over the limit, prompts are not cut at all: no cut could meet it. Torch-free and pure: the engine
 and the simulator call it.
 """
 
@@ -158,8 +159,12 @@ def prefill_budget(
         prompts.append(((num_tokens - 1) // block_size * block_size, num_tokens))
     if not prompts:
         return None
-    room = max(0, max_tokens - num_decodes)
     limit = step_time_limit(tpot_target_s, margin)
+    if model.predict(decodes) > limit:
+        # The decodes alone break the limit (a target this hardware cannot meet, like the
+        # reference GPU's on a CPU): cutting prompts would only starve them, no cap.
+        return None
+    room = max(0, max_tokens - num_decodes)
     return min(max(pack(model, decodes, prompts, limit, room), min_tokens), room)
 
 
