@@ -28,17 +28,15 @@ import asyncio
 import itertools
 import json
 import random
-import shlex
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from mixed_load import GreedyEndpoint, log, tokenfleet_server
-from offline_throughput import cpu_busy_fraction, format_table, machine_info
+from mixed_load import GreedyEndpoint, RunStart, args_json, log, tokenfleet_server, write_result
+from offline_throughput import format_table
 
 from tokenfleet.loadgen.client import RequestRecord, stream_request
 from tokenfleet.loadgen.report import percentile
@@ -177,10 +175,7 @@ def _ms(value: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started_at = datetime.now(UTC)
-    busy = cpu_busy_fraction()
-    if busy is not None and busy > 0.1:
-        log(f"warning: the CPUs are already {busy:.0%} busy; the figures will be noisy")
+    start = RunStart.now()
     target = tpot_target(args)
     prompt, prompt_tokens = whole_context_prompt(args.max_model_len, 1)
     log(f"TPOT target {target * 1000:.1f} ms; the long prompt: {prompt_tokens} tokens")
@@ -225,19 +220,12 @@ def main(argv: list[str] | None = None) -> int:
             ]
         )
     print(format_table(lines))
-    out = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": started_at.isoformat(timespec="seconds"),
-        "machine": machine_info(args.num_threads) | {"cpu_busy_at_start": busy},
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    out = start.provenance(args) | {
+        "args": args_json(args),
         "tpot_target_s": target,
         "results": rows,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / f"{RESULT_NAME}.json", args.out / f"{RESULT_NAME}.png"
-    json_path.write_text(json.dumps(out, indent=1) + "\n")
-    plot(png_path, rows, target)
-    log(f"wrote {json_path} and {png_path}")
+    write_result(args.out, RESULT_NAME, out, lambda path: plot(path, rows, target))
     return 0
 
 

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -458,6 +458,46 @@ def _ms(value: float | None) -> str:
 # -- the report ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RunStart:
+    """When a run started and how busy the CPUs were just before: its result's first fields."""
+
+    started_at: datetime
+    cpu_busy: float | None
+
+    @classmethod
+    def now(cls) -> RunStart:
+        started_at = datetime.now(UTC)
+        busy = cpu_busy_fraction()
+        if busy is not None and busy > BUSY_WARNING:
+            log(f"warning: the CPUs are already {busy:.0%} busy; the figures will be noisy")
+        return cls(started_at, busy)
+
+    def provenance(self, args: argparse.Namespace) -> dict[str, Any]:
+        """What reproduces the run and what it ran on."""
+        return {
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "date": self.started_at.isoformat(timespec="seconds"),
+            "machine": machine_info(args.num_threads) | {"cpu_busy_at_start": self.cpu_busy},
+        }
+
+
+def args_json(args: argparse.Namespace) -> dict[str, Any]:
+    """The arguments as JSON takes them (paths as strings)."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+
+
+def write_result(
+    out: Path, name: str, result: dict[str, Any], plot: Callable[[Path], None]
+) -> None:
+    """`name`.json (the result) and `name`.png (what `plot` draws there) in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"{name}.json", out / f"{name}.png"
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(png_path)
+    log(f"wrote {json_path} and {png_path}")
+
+
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per mixed configuration: TPOT p99 against (a), batch tokens/s against (b)."""
     out = {}
@@ -630,10 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
-    started_at = datetime.now(UTC)
-    busy = cpu_busy_fraction()
-    if busy is not None and busy > BUSY_WARNING:
-        log(f"warning: the CPUs are already {busy:.0%} busy; the figures will be noisy")
+    start = RunStart.now()
     workload = WorkloadConfig(
         duration_s=args.duration,
         max_model_len=args.max_model_len,
@@ -684,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"skipping {key}: it did not start ({str(exc)[:200]})")
     reran: dict[str, str] = {}
     if earlier is not None:  # this run's rows replace that run's, the others are kept
-        reran = dict.fromkeys(rows, started_at.isoformat(timespec="seconds"))
+        reran = dict.fromkeys(rows, start.started_at.isoformat(timespec="seconds"))
         reran = earlier.get("reran", {}) | reran
         rows = {k: v for k, v in earlier["configs"].items() if k not in rows} | rows
         order = [*OURS, *PEERS]
@@ -692,12 +729,9 @@ def main(argv: list[str] | None = None) -> int:
         skipped = {k: v for k, v in earlier.get("skipped", {}).items() if k not in rows} | skipped
     rats = ratios(rows)
     print(table(rows, rats))
-    result = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": started_at.isoformat(timespec="seconds"),
-        "machine": machine_info(args.num_threads) | {"cpu_busy_at_start": busy},
+    result = start.provenance(args) | {
         "quick": args.quick,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args_json(args),
         "workload": asdict(workload) | {"num_batch": num_batch, "rate": cal.rate_rps},
         "calibration": asdict(cal),
         "goals": {"tpot_p99_ratio_max": GOAL_TPOT_RATIO, "batch_tps_ratio_min": GOAL_BATCH_RATIO},
@@ -709,11 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     if earlier is not None:
         result |= {k: earlier[k] for k in ("command", "date", "machine", "args", "workload")}
         result["rerun_command"] = shlex.join([sys.executable, *sys.argv])
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / f"{RESULT_NAME}.json", args.out / f"{RESULT_NAME}.png"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    plot(png_path, rows, cal)
-    log(f"wrote {json_path} and {png_path}")
+    write_result(args.out, RESULT_NAME, result, lambda path: plot(path, rows, cal))
     return 0
 
 

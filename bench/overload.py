@@ -23,18 +23,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shlex
 import sys
 import tempfile
 from collections import Counter
 from dataclasses import asdict, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from mixed_load import Calibration, calibrate, log, tokenfleet_server
-from offline_throughput import cpu_busy_fraction, format_table, machine_info
+from mixed_load import (
+    Calibration,
+    RunStart,
+    args_json,
+    calibrate,
+    log,
+    tokenfleet_server,
+    write_result,
+)
+from offline_throughput import format_table
 
 from tokenfleet.loadgen.client import Endpoint
 from tokenfleet.loadgen.run import BenchConfig, run_bench
@@ -262,10 +268,7 @@ def plot(path: Path, results: list[dict[str, Any]], cal: Calibration) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    started_at = datetime.now(UTC)
-    busy = cpu_busy_fraction()
-    if busy is not None and busy > 0.1:
-        log(f"warning: the CPUs are already {busy:.0%} busy; the figures will be noisy")
+    start = RunStart.now()
     workload = WorkloadConfig(  # bench/mixed_load.py's lengths
         max_model_len=args.max_model_len,
         prompt_len_median=args.prompt_len_median,
@@ -286,19 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, cal))
     for result in results:
         log(f"admission {result['mode']}: {result['verdict']}")
-    out = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": started_at.isoformat(timespec="seconds"),
-        "machine": machine_info(args.num_threads) | {"cpu_busy_at_start": busy},
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    out = start.provenance(args) | {
+        "args": args_json(args),
         "calibration": asdict(cal),
         "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / f"{RESULT_NAME}.json", args.out / f"{RESULT_NAME}.png"
-    json_path.write_text(json.dumps(out, indent=1) + "\n")
-    plot(png_path, results, cal)
-    log(f"wrote {json_path} and {png_path}")
+    write_result(args.out, RESULT_NAME, out, lambda path: plot(path, results, cal))
     ok = all(r["batch"]["every_request_one_result"] for r in results)
     return 0 if ok else 1
 
