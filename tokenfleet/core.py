@@ -173,14 +173,7 @@ class EngineCore:
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
         if self.config.scheduling_policy == "priority":
-            budgets = PriorityBudgets(
-                self.scheduler,
-                self.step_model,
-                block_size=self.kv.block_size,
-                tpot_target_s=self.config.tpot_target_s,
-                margin=self.config.harvest_margin,
-                min_prefill_chunk=self.config.min_prefill_chunk,
-            )
+            budgets = PriorityBudgets.from_config(self.scheduler, self.step_model, self.config)
             scheduler_output = budgets.schedule(now)
             if budgets.last_batch_budget is not None:
                 self.last_batch_token_budget = budgets.last_batch_budget

@@ -168,6 +168,19 @@ def prefill_budget(
     return min(max(pack(model, decodes, prompts, limit, room), min_tokens), room)
 
 
+class BudgetSettings(Protocol):
+    """The priority policy's settings: EngineConfig's, and the simulator's ReplicaConfig's."""
+
+    @property
+    def tpot_target_s(self) -> float: ...
+
+    @property
+    def harvest_margin(self) -> float: ...
+
+    @property
+    def min_prefill_chunk(self) -> int: ...
+
+
 class PriorityBudgets:
     """The priority policy's budgets for one step of `scheduler`, priced by `model`: what
     the engine (core.py) and the simulator both plan a step with."""
@@ -186,6 +199,20 @@ class PriorityBudgets:
         self.tpot_target_s, self.margin = tpot_target_s, margin
         self.min_prefill_chunk = min_prefill_chunk
         self.last_batch_budget: int | None = None  # as the scheduler was last told
+
+    @classmethod
+    def from_config(
+        cls, scheduler: Scheduler, model: StepCost, config: BudgetSettings
+    ) -> PriorityBudgets:
+        """The budgets the engine and the simulator plan each step with."""
+        return cls(
+            scheduler,
+            model,
+            block_size=scheduler.kv.block_size,
+            tpot_target_s=config.tpot_target_s,
+            margin=config.harvest_margin,
+            min_prefill_chunk=config.min_prefill_chunk,
+        )
 
     def schedule(self, now: float) -> SchedulerOutput:
         """Plan the step: prompts beside streams cut, batch within the harvest budget."""

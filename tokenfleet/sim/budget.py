@@ -1,37 +1,19 @@
 """The priority policy's step budgets, as the engine plans them.
 
-A step is planned by harvest.PriorityBudgets, the engine's own planner (core.py builds
-one per step the same way): interactive prompts beside streams cut to the TPOT limit, and
-batch within the harvest budget. `batch_decodes_fit` asks the same harvest_budget about a
-step further on, from plain numbers, so that a leap (replica.py) can tell whether the
-batch decodes would still all be let in without touching the requests.
+A step is planned by harvest.PriorityBudgets, the engine's own planner (replica.py builds
+one per step with from_config, as core.py does): interactive prompts beside streams cut to
+the TPOT limit, and batch within the harvest budget. `batch_decodes_fit` asks the same
+harvest_budget about a step further on, from plain numbers, so that a leap (replica.py)
+can tell whether the batch decodes would still all be let in without touching the
+requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenfleet.harvest import PriorityBudgets, StepCost, harvest_budget
-from tokenfleet.scheduler import Scheduler
+from tokenfleet.harvest import StepCost, harvest_budget
 from tokenfleet.step_model import StepFeatures
-
-
-def priority_budgets(
-    scheduler: Scheduler,
-    model: StepCost,
-    *,
-    tpot_target_s: float,
-    margin: float,
-    min_prefill_chunk: int,
-) -> PriorityBudgets:
-    return PriorityBudgets(
-        scheduler,
-        model,
-        block_size=scheduler.kv.block_size,
-        tpot_target_s=tpot_target_s,
-        margin=margin,
-        min_prefill_chunk=min_prefill_chunk,
-    )
 
 
 def batch_decodes_fit(

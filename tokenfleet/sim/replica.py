@@ -32,13 +32,13 @@ from itertools import repeat
 import numpy as np
 
 from tokenfleet.config import SchedulerConfig
-from tokenfleet.harvest import StepCost, batch_chunks
+from tokenfleet.harvest import PriorityBudgets, StepCost, batch_chunks
 from tokenfleet.kv_cache import KVCacheManager
 from tokenfleet.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenfleet.request import PRIORITY_INTERACTIVE, Request
 from tokenfleet.scheduler import Scheduler
 from tokenfleet.scheduler_output import SchedulerOutput
-from tokenfleet.sim.budget import batch_decodes_fit, priority_budgets
+from tokenfleet.sim.budget import batch_decodes_fit
 from tokenfleet.step_model import StepFeatures, step_features
 
 # Every sampled token: prompts never contain it, and no request stops on it.
@@ -171,13 +171,7 @@ class SimReplica:
     def _schedule(self, now: float) -> SchedulerOutput:
         if self.config.policy == "fcfs":
             return self.scheduler.schedule(now)
-        budgets = priority_budgets(
-            self.scheduler,
-            self.step_model,
-            tpot_target_s=self.config.tpot_target_s,
-            margin=self.config.harvest_margin,
-            min_prefill_chunk=self.config.min_prefill_chunk,
-        )
+        budgets = PriorityBudgets.from_config(self.scheduler, self.step_model, self.config)
         return budgets.schedule(now)
 
     def _update(self, output: SchedulerOutput) -> list[EngineCoreOutput]:
