@@ -300,28 +300,49 @@ def _request(req_id: str, prompt: list[int], max_tokens: int, priority: int) -> 
     return EngineCoreRequest(req_id, prompt, params, arrival_time=0.0, priority=priority)
 
 
-def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
-    config = EngineConfig(
+def _engine_config(
+    model_folder: Path, max_num_batched_tokens: int, **settings: Any
+) -> EngineConfig:
+    """The fixed runner at TARGET and MARGIN, 16 sequences a step."""
+    return EngineConfig(
         model=str(model_folder),
         runner="fixed",
-        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16),
         tpot_target_s=TARGET,
         harvest_margin=MARGIN,
+        **settings,
     )
+
+
+def _recording_engine(
+    config: EngineConfig, before_step: Callable[[Scheduler], None] | None = None
+) -> tuple[EngineCore, list[SchedulerOutput]]:
+    """An engine on MODEL whose every planned step is recorded, in order; `before_step`
+    sees the scheduler just before each step is planned."""
     engine = EngineCore(config)
     engine.step_model = MODEL
-    scheduler = engine.scheduler
     outs: list[SchedulerOutput] = []
-    batch_left: list[int] = []  # batch tokens still to compute before each step
-    schedule = scheduler.schedule
+    schedule = engine.scheduler.schedule
 
     def recording(now: float, **kwargs: Any) -> SchedulerOutput:
-        batch = [r for r in scheduler.requests.values() if not r.is_interactive]
-        batch_left.append(sum(r.num_tokens - r.num_computed_tokens for r in batch))
+        if before_step is not None:
+            before_step(engine.scheduler)
         outs.append(schedule(now, **kwargs))
         return outs[-1]
 
-    scheduler.schedule = recording  # type: ignore[method-assign]
+    engine.scheduler.schedule = recording  # type: ignore[method-assign]
+    return engine, outs
+
+
+def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
+    batch_left: list[int] = []  # batch tokens still to compute before each step
+
+    def count_batch_left(scheduler: Scheduler) -> None:
+        batch = [r for r in scheduler.requests.values() if not r.is_interactive]
+        batch_left.append(sum(r.num_tokens - r.num_computed_tokens for r in batch))
+
+    engine, outs = _recording_engine(_engine_config(model_folder, 256), count_batch_left)
+    scheduler = engine.scheduler
     max_tokens = {f"b{n}": 8 for n in range(6)} | {f"i{n}": 12 for n in range(3)}
     for n in range(6):
         engine.add_request(_request(f"b{n}", [100 + n] * 300, 8, PRIORITY_BATCH))
@@ -376,31 +397,8 @@ def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
     assert stats.batch_token_budget == 256
 
 
-def _recording_engine(config: EngineConfig) -> tuple[EngineCore, list[SchedulerOutput]]:
-    """An engine on MODEL whose every planned step is recorded, in order."""
-    engine = EngineCore(config)
-    engine.step_model = MODEL
-    outs: list[SchedulerOutput] = []
-    schedule = engine.scheduler.schedule
-
-    def recording(now: float, **kwargs: Any) -> SchedulerOutput:
-        outs.append(schedule(now, **kwargs))
-        return outs[-1]
-
-    engine.scheduler.schedule = recording  # type: ignore[method-assign]
-    return engine, outs
-
-
 def test_engine_cuts_a_long_prompt_to_keep_streams_within_the_target(model_folder: Path) -> None:
-    config = EngineConfig(
-        model=str(model_folder),
-        runner="fixed",
-        scheduler=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=16),
-        tpot_target_s=TARGET,
-        harvest_margin=MARGIN,
-        min_prefill_chunk=16,
-    )
-    engine, outs = _recording_engine(config)
+    engine, outs = _recording_engine(_engine_config(model_folder, 512, min_prefill_chunk=16))
     for n in range(3):
         engine.add_request(_request(f"s{n}", [200 + n] * 40, 400, PRIORITY_INTERACTIVE))
     engine.step(0.0)
@@ -492,15 +490,7 @@ def test_fcfs_policy_is_arrival_order_without_a_harvest_budget(
     first_step: dict[str, int],
     second_step: dict[str, int] | None,
 ) -> None:
-    config = EngineConfig(
-        model=str(model_folder),
-        runner="fixed",
-        scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=16),
-        tpot_target_s=TARGET,
-        harvest_margin=MARGIN,
-        scheduling_policy=policy,
-    )
-    engine, outs = _recording_engine(config)
+    engine, outs = _recording_engine(_engine_config(model_folder, 256, scheduling_policy=policy))
     engine.add_request(_request("b0", [100] * 300, 4, PRIORITY_BATCH))
     engine.add_request(_request("i0", [200] * 40, 4, PRIORITY_INTERACTIVE))
     engine.step(0.0)
