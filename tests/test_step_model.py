@@ -111,6 +111,9 @@ def test_features_add_up_over_requests() -> None:
     total = StepFeatures.of_chunk(1, 30) + StepFeatures.of_chunk(16, 16)
     assert total == StepFeatures(16, 1, 31 + 32, 16 * 32)
     assert total.vector().tolist() == [1.0, 16, 1, 63, 512]
+    assert total.values() == (1, 16, 1, 63, 512)
+    assert StepFeatures.of_chunks([(1, 30), (16, 16)]) == total
+    assert StepFeatures.of_chunks([]) == StepFeatures()
 
 
 # -- the fit -------------------------------------------------------------------------------

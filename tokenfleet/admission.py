@@ -49,8 +49,8 @@ class StepLimit:
 
 def step_seconds(coefficients: Mapping[str, float], features: StepFeatures) -> float:
     """A step's predicted time: the step-time model with `coefficients` (term -> value)."""
-    values = zip(TERMS, features.vector(), strict=True)
-    return sum(coefficients.get(term, 0.0) * float(v) for term, v in values)
+    values = zip(TERMS, features.values(), strict=True)
+    return sum(coefficients.get(term, 0.0) * v for term, v in values)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +98,10 @@ def predict_ttft(
             fits = pack(_Priced(coefficients), step, chunks, limit.seconds, budget)
             budget = min(budget, max(fits, limit.min_prefill_chunk))
         joined, joined_kv = 0, 0
+        chunks = []
         while budget and prefills:
             num_new = min(prefills[0] - pos, budget)
-            step += StepFeatures.of_chunk(num_new, pos)
+            chunks.append((num_new, pos))
             budget -= num_new
             pos += num_new
             if pos == prefills[0]:
@@ -108,6 +109,7 @@ def predict_ttft(
                 joined, joined_kv = joined + 1, joined_kv + pos + 1
                 prefills.popleft()
                 pos = 0
+        step += StepFeatures.of_chunks(chunks)
         riding = min(num_b, budget) if limit is None else 0
         if riding:
             step += StepFeatures(decode_seqs=riding, kv_tokens_read=kv_b * riding // num_b)

@@ -62,6 +62,7 @@ class AsyncEngineClient:
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
         self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
         self._proc: subprocess.Popen[bytes] | None = None
+        self._input: zmq.Socket[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
         self._generation = 0
@@ -74,7 +75,10 @@ class AsyncEngineClient:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        self._input = self._ctx.socket(zmq.PUSH)
+        # A plain (not asyncio) socket: a send never waits (below), and the asyncio one
+        # wraps each send in a future, on the path of every request to the engine.
+        self._input = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
         self._input.setsockopt(zmq.SNDHWM, 0)  # never block a sender while the engine is up
         self._input.bind(f"ipc://{self._dir}/in")
         self._output = self._ctx.socket(zmq.PULL)
@@ -100,6 +104,8 @@ class AsyncEngineClient:
                 await asyncio.wait_for(asyncio.to_thread(self._proc.wait), 10)
             except TimeoutError:
                 self._proc.kill()
+        if self._input is not None:
+            self._input.close(linger=0)  # not the asyncio context's: it would wait for it
         self._ctx.destroy(linger=0)
 
     @property
@@ -203,8 +209,9 @@ class AsyncEngineClient:
     async def _send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
         # Never wait: a PUSH socket with no engine connected (dead, or exiting) would block
         # the sender forever. The queue itself is unbounded (SNDHWM 0).
+        assert self._input is not None, "send before start"
         try:
-            await self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
+            self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
         except zmq.Again as exc:
             raise EngineDeadError("the engine process is not connected") from exc
 

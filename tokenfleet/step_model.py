@@ -48,14 +48,22 @@ class StepFeatures:
     @classmethod
     def of_chunk(cls, num_tokens: int, start_pos: int) -> StepFeatures:
         """One request scheduling `num_tokens` tokens from position `start_pos`."""
-        context = start_pos + num_tokens
-        if num_tokens == 1:
-            return cls(decode_seqs=1, kv_tokens_read=context)
-        return cls(
-            prefill_tokens=num_tokens,
-            kv_tokens_read=context,
-            prefill_attention=num_tokens * context,
-        )
+        return cls.of_chunks(((num_tokens, start_pos),))
+
+    @classmethod
+    def of_chunks(cls, chunks: Iterable[tuple[int, int]]) -> StepFeatures:
+        """The sum of `of_chunk` over (num_tokens, start_pos) pairs, in one object (the
+        gateway prices a burst's prompts per request it admits)."""
+        prefill = seqs = kv = attention = 0
+        for num_tokens, start_pos in chunks:
+            context = start_pos + num_tokens
+            kv += context
+            if num_tokens == 1:
+                seqs += 1
+            else:
+                prefill += num_tokens
+                attention += num_tokens * context
+        return cls(prefill, seqs, kv, attention)
 
     def __add__(self, other: StepFeatures) -> StepFeatures:
         return StepFeatures(
@@ -65,17 +73,19 @@ class StepFeatures:
             self.prefill_attention + other.prefill_attention,
         )
 
-    def vector(self) -> Array:
+    def values(self) -> tuple[int, ...]:
         """The values of TERMS, in order (1 for the intercept)."""
-        return np.array(
-            [
-                1.0,
-                self.prefill_tokens,
-                self.decode_seqs,
-                self.kv_tokens_read,
-                self.prefill_attention,
-            ]
+        return (
+            1,
+            self.prefill_tokens,
+            self.decode_seqs,
+            self.kv_tokens_read,
+            self.prefill_attention,
         )
+
+    def vector(self) -> Array:
+        """`values()` as an array."""
+        return np.array(self.values(), dtype=np.float64)
 
 
 def step_features(scheduler_output: SchedulerOutput) -> StepFeatures:

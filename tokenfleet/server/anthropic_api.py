@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenfleet.errors import InvalidRequestError
@@ -23,7 +23,7 @@ from tokenfleet.server.service import (
     TextDelta,
     cancel_on_disconnect,
 )
-from tokenfleet.server.sse import prime, sse_event
+from tokenfleet.server.sse import EventStream, prime, sse_event
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -148,7 +148,7 @@ async def create_message(request: Request) -> Response:
     service: GenerationService = request.app.state.service
     body = await read_body(request, MessagesRequest)
     call = prepare_message(service, body)
-    service.admit(len(call.prompt))
+    verdict = service.admit(len(call.prompt))
     deltas = await prime(
         service.generate(
             call.prompt,
@@ -156,11 +156,12 @@ async def create_message(request: Request) -> Response:
             body.stop_sequences,
             route="/v1/messages",
             announce=bool(body.stream),
+            predicted=verdict,
         )
     )
     message = _message(call)
     if body.stream:
-        return StreamingResponse(_stream(message, deltas), media_type="text/event-stream")
+        return EventStream(_stream(message, deltas))
     try:
         text, last = await cancel_on_disconnect(request, _collect(deltas))
     except ClientDisconnected:

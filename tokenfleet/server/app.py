@@ -7,7 +7,7 @@ import gc
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.engine_client import AsyncEngineClient
@@ -48,22 +48,35 @@ def _api_key(request: Request, keys: frozenset[str]) -> str | None:
     return None
 
 
-class _RequestContext:
-    """Request ids and API keys, as plain ASGI: Starlette's BaseHTTPMiddleware would pass
-    every streamed chunk through an extra stream and task, on the time-per-token path."""
+Endpoint = Callable[[Request], Awaitable[Response]]
 
-    def __init__(self, app: ASGIApp, api_keys: frozenset[str]) -> None:
-        self.app = app
-        self.api_keys = api_keys
+# The generation routes: served in front of FastAPI's stack (Gateway), and on the routers.
+DIRECT_ROUTES: dict[str, Endpoint] = {
+    "/v1/messages": anthropic_api.create_message,
+    "/v1/chat/completions": openai_api.chat_completions,
+    "/v1/completions": openai_api.completions,
+}
+
+
+class Gateway(FastAPI):
+    """The FastAPI app, with request ids, API keys and the generation routes handled in
+    front of its middleware stack, as plain ASGI.
+
+    Starlette's BaseHTTPMiddleware would pass every streamed chunk through an extra stream
+    and task, on the time-per-token path. And routing, dependency solving and the exception
+    middleware are work each request of a burst does one after another on the event loop
+    before it reaches the engine: the generation routes (DIRECT_ROUTES) skip them, and turn
+    their own errors into each API's error format."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await super().__call__(scope, receive, send)
             return
-        request = Request(scope)
+        request = Request(scope, receive)
         rid = request_id(request)
-        if self.api_keys and scope["path"] not in _OPEN_PATHS:
-            key = _api_key(request, self.api_keys)
+        api_keys: frozenset[str] = self.state.config.api_keys
+        if api_keys and scope["path"] not in _OPEN_PATHS:
+            key = _api_key(request, api_keys)
             if key is None:
                 error = APIError(401, "authentication", "missing or invalid API key")
                 await error_response(request, error)(scope, receive, send)
@@ -76,7 +89,19 @@ class _RequestContext:
                 headers["request-id"] = rid
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        endpoint = DIRECT_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
+        if endpoint is None:
+            await super().__call__(scope, receive, send_with_id)
+            return
+        scope["app"] = self  # as Starlette sets it: the endpoints find their state there
+        try:
+            response = await endpoint(request)
+        except APIError as exc:
+            response = error_response(request, exc)
+        except Exception:
+            logger.exception("unhandled error on %s", scope["path"])
+            response = error_response(request, APIError(500, "internal", "internal server error"))
+        await response(scope, receive, send_with_id)
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -108,10 +133,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             batches.store.close()
             await client.shutdown()
 
-    app = FastAPI(title="tokenfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = Gateway(title="tokenfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
-
-    app.add_middleware(_RequestContext, api_keys=config.api_keys)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -35,7 +35,7 @@ async def read_body(request: Request, model: type[M]) -> M:
     limit = request.app.state.config.max_body_bytes
     chunks = [chunk async for chunk in limited_chunks(request, limit)]
     try:
-        data = msgspec.json.decode(b"".join(chunks))
+        data = msgspec.json.decode(chunks[0] if len(chunks) == 1 else b"".join(chunks))
     except msgspec.DecodeError as exc:
         raise APIError(400, "invalid_request", f"malformed JSON body: {exc}") from exc
     return parse_body(data, model)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenfleet.errors import InvalidRequestError
@@ -25,7 +25,7 @@ from tokenfleet.server.service import (
     TextDelta,
     cancel_on_disconnect,
 )
-from tokenfleet.server.sse import prime, sse_event
+from tokenfleet.server.sse import EventStream, prime, sse_event
 from tokenfleet.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -197,8 +197,9 @@ class _Run:
         self.prompt_tokens = sum(len(p) for p in prompts[:: self.body.n])
         self.completion_tokens = [0] * len(prompts)
         stop = self.body.stop_list()
+        verdict = None
         if self.priority == "interactive":
-            self.service.admit(sum(len(p) for p in prompts[:: self.body.n]))
+            verdict = self.service.admit(sum(len(p) for p in prompts[:: self.body.n]))
         streams = [
             self.service.generate(
                 p,
@@ -207,6 +208,7 @@ class _Run:
                 route=self.route,
                 priority=self.priority,
                 announce=announce,
+                predicted=verdict,
             )
             for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))
         ]
@@ -222,8 +224,7 @@ class _Run:
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
-    """A stream's work ends when its response starts; from there the streaming response
-    itself stops (and aborts) on a disconnect. A non-streamed reply is cancelled here."""
+    """A non-streamed reply's work, cancelled (and its requests aborted) on a disconnect."""
     try:
         return await cancel_on_disconnect(request, work)
     except ClientDisconnected:
@@ -234,6 +235,8 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
 async def chat_completions(request: Request) -> Response:
     service: GenerationService = request.app.state.service
     body = await read_body(request, ChatRequest)
+    if body.stream:  # set up at once; from then on the stream itself stops on a disconnect
+        return await _chat_completions(service, body)
     return await _unless_disconnected(request, _chat_completions(service, body))
 
 
@@ -276,7 +279,7 @@ async def run_chat(service: GenerationService, call: ChatCall, priority: str) ->
 
 async def _chat_completions(
     service: GenerationService, body: ChatRequest
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStream:
     call = prepare_chat(service, body)
     num_top = call.num_top
     run = _Run(service, body, "/v1/chat/completions", "interactive")
@@ -346,7 +349,7 @@ async def _chat_completions(
                 yield chunk([], run.usage())
             yield sse_event("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStream(events())
 
     return JSONResponse(await _chat_body(service, call, run, merged))
 
@@ -392,6 +395,8 @@ async def _chat_body(
 async def completions(request: Request) -> Response:
     service: GenerationService = request.app.state.service
     body = await read_body(request, CompletionRequest)
+    if body.stream:  # set up at once; from then on the stream itself stops on a disconnect
+        return await _completions(service, body)
     return await _unless_disconnected(request, _completions(service, body))
 
 
@@ -438,7 +443,7 @@ async def run_completion(
 
 async def _completions(
     service: GenerationService, body: CompletionRequest
-) -> JSONResponse | StreamingResponse:
+) -> JSONResponse | EventStream:
     call = prepare_completion(service, body)
     expanded = call.prompts
     run = _Run(service, body, "/v1/completions", "interactive")
@@ -467,7 +472,7 @@ async def _completions(
                 yield sse_event(render.data([], run.usage()))
             yield sse_event("[DONE]")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return EventStream(events())
 
     return JSONResponse(await _completion_body(service, call, run, merged))
 

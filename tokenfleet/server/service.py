@@ -41,8 +41,8 @@ class ClientDisconnected(Exception):
 async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
     """Await `work` (collecting a non-streamed reply) unless the client disconnects first:
     then cancel it, which closes its generation and so aborts the engine request, and
-    raise ClientDisconnected. (A streamed reply needs none of this: Starlette stops the
-    stream, and closing it aborts the request.)"""
+    raise ClientDisconnected. (A streamed reply needs none of this: sse.EventStream stops
+    the stream, and closing it aborts the request.)"""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -143,13 +143,14 @@ class GenerationService:
                 param=param,
             )
 
-    def admit(self, num_prompt_tokens: int, priority: str = "interactive") -> None:
+    def admit(self, num_prompt_tokens: int, priority: str = "interactive") -> Verdict | None:
         """Refuse at once an interactive request that could not get its first token within
-        the TTFT target (529 here, 429 at the OpenAI edge). Batch is never refused for load."""
+        the TTFT target (529 here, 429 at the OpenAI edge). Batch is never refused for load.
+        An admitted interactive request's verdict goes to `generate`, which scores it."""
         if not self.client.is_healthy():
             raise APIError(503, "engine_down", "the engine is not running; try again shortly")
         if priority == "batch":
-            return
+            return None
         verdict = self._predict(num_prompt_tokens)
         if not verdict.admitted:
             raise APIError(
@@ -159,6 +160,7 @@ class GenerationService:
                 f" exceeds the target ({self.config.ttft_target_s:.2f} s); retry later",
                 retry_after_s=verdict.retry_after_s,
             )
+        return verdict
 
     def _predict(self, num_prompt_tokens: int) -> Verdict:
         # The engine's own step-time model, from its latest step or heartbeat; none yet
@@ -177,11 +179,14 @@ class GenerationService:
         route: str,
         priority: str = "interactive",
         announce: bool = False,
+        predicted: Verdict | None = None,
     ) -> AsyncGenerator[TextDelta, None]:
         """The request's text as it is generated, one TextDelta per engine output. With
         `announce`, first an empty delta (no tokens, no finish) as soon as the engine has
         the request: a streamed reply starts on it and is under way when the first token
-        comes, instead of every stream of a burst setting up its reply after that token."""
+        comes, instead of every stream of a burst setting up its reply after that token.
+        `predicted`: admission's verdict (`admit`), scored against the measured time to
+        first token; an interactive request given none is predicted here."""
         num_prompt = len(prompt_token_ids)
         request = EngineCoreRequest(
             f"gen-{uuid.uuid4().hex}",
@@ -190,19 +195,23 @@ class GenerationService:
             time.monotonic(),
             priority=PRIORITIES[priority],
         )
-        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
-        stopper = StopChecker(list(stop))
         labels = {"route": route, "priority": priority}
         start = last = time.monotonic()
         waiting_first = True
         num_output = 0
         interactive = priority == "interactive"
-        predicted = self._predict(num_prompt) if interactive else None
-        self.metrics.prompt_tokens.inc(num_prompt)
+        if predicted is None and interactive:
+            predicted = self._predict(num_prompt)
         self.admission.requests.add(request.req_id, num_prompt, interactive=interactive, now=start)
         try:
             async with contextlib.aclosing(await self.client.submit(request)) as outputs:
+                self.metrics.prompt_tokens.inc(num_prompt)
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+                stopper = StopChecker(list(stop))
                 if announce:
+                    # Requests that came in with this one (a burst) reach the engine before
+                    # this one's reply is set up: that can wait for the engine's step.
+                    await asyncio.sleep(0)
                     yield TextDelta("", [], 0)
                 async for out in outputs:
                     now = time.monotonic()
