@@ -207,6 +207,64 @@ class CpuMeter:
         return ours, None if other is None else max(0.0, other)
 
 
+class _Span:
+    """One mode's waves in a round, measured one by one: their requests, wall time, CPU
+    time and the gateway's own TTFT sum (http)."""
+
+    def __init__(self) -> None:
+        self.requests: list[RequestTiming] = []
+        self.wall_s = 0.0
+        self.cpu_s: dict[str, float] = {}
+        self.other_cpu_s: float | None = 0.0  # share x wall, summed
+        self.gateway_ttft_s = 0.0
+        self.gateway_ttft_count: int | None = 0
+
+    async def measure(
+        self,
+        wave: Awaitable[list[RequestTiming]],
+        meter: CpuMeter,
+        http: httpx.AsyncClient | None,
+    ) -> None:
+        metrics_before = await gateway_ttft(http) if http is not None else None
+        start = meter.sample()
+        requests = await wave
+        cpu_s, other = meter.since(start)
+        wall_s = time.perf_counter() - start[0]
+        self.requests += requests
+        self.wall_s += wall_s
+        for role, seconds in cpu_s.items():
+            self.cpu_s[role] = self.cpu_s.get(role, 0.0) + seconds
+        if other is None or self.other_cpu_s is None:
+            self.other_cpu_s = None
+        else:
+            self.other_cpu_s += other * wall_s
+        if metrics_before is not None and http is not None and self.gateway_ttft_count is not None:
+            total, count = await gateway_ttft(http)
+            if count - metrics_before[1] == len(requests):
+                self.gateway_ttft_s += total - metrics_before[0]
+                self.gateway_ttft_count += len(requests)
+            else:
+                self.gateway_ttft_count = None  # other requests got in: no paired figure
+
+    def result(self, mode: str, concurrency: int, round_index: int) -> RoundResult:
+        other = None
+        if self.other_cpu_s is not None and self.wall_s > 0:
+            other = self.other_cpu_s / self.wall_s
+        gateway_ttft_ms = None
+        if mode == "http" and self.gateway_ttft_count:
+            gateway_ttft_ms = 1e3 * self.gateway_ttft_s / self.gateway_ttft_count
+        return RoundResult(
+            mode,
+            concurrency,
+            round_index,
+            self.requests,
+            self.wall_s,
+            self.cpu_s,
+            other,
+            gateway_ttft_ms,
+        )
+
+
 # -- the three ways of serving a wave ----------------------------------------------------
 
 
@@ -633,7 +691,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add(
         "--min-requests",
         type=int,
-        default=4,
+        default=8,
         help="per round, waves of C requests run until at least this many ran",
     )
     add("--threads", type=int, default=1, help="torch threads of every engine")
@@ -747,31 +805,30 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             for c in args.concurrency:
                 order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
                 for mode in order:
-                    bar.set_postfix_str(f"round {r + 1}/{args.rounds}, C={c}, {mode}")
                     # A short wave first: the process wakes up and (http) C connections open.
                     await wave_fn(mode, prime_params)(prompts[:c])
-                    requests: list[RequestTiming] = []
-                    metrics_before = await gateway_ttft(http) if mode == "http" else None
-                    start = meters[mode].sample()
-                    for _ in range(waves_per_round(c, args.min_requests)):
-                        requests += await wave_fn(mode, params)(prompts[:c])
+                spans = {mode: _Span() for mode in order}
+                # Modes take turns wave by wave (each wave's order rotated too), so that a
+                # slow spell of the machine falls on every mode alike, not on one.
+                for w in range(waves_per_round(c, args.min_requests)):
+                    turn = w % len(order)
+                    for mode in order[turn:] + order[:turn]:
+                        bar.set_postfix_str(f"round {r + 1}/{args.rounds}, C={c}, {mode}")
+                        await spans[mode].measure(
+                            wave_fn(mode, params)(prompts[:c]),
+                            meters[mode],
+                            http if mode == "http" else None,
+                        )
                         bar.update(c * args.max_tokens)
-                    cpu_s, other = meters[mode].since(start)
-                    wall_s = time.perf_counter() - start[0]
-                    gateway_ttft_ms = None
-                    if metrics_before is not None:
-                        total, count = await gateway_ttft(http)
-                        if count - metrics_before[1] == len(requests):
-                            gateway_ttft_ms = 1e3 * (total - metrics_before[0]) / len(requests)
-                    for q in requests:
+                for mode in order:
+                    span = spans[mode]
+                    for q in span.requests:
                         if q.num_tokens != args.max_tokens or not q.token_times:
                             raise RuntimeError(
                                 f"{mode}: a request got {q.num_tokens} tokens "
                                 f"({len(q.token_times)} events), wanted {args.max_tokens}"
                             )
-                    rounds.append(
-                        RoundResult(mode, c, r, requests, wall_s, cpu_s, other, gateway_ttft_ms)
-                    )
+                    rounds.append(span.result(mode, c, r))
         bar.close()
     return {"rounds": rounds, "load_s": load_s, "serve_args": serve_args, "config": engine_config}
 
