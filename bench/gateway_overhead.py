@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import math
@@ -303,34 +304,61 @@ async def client_wave(
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+class _Arrivals(asyncio.Protocol):
+    """The bytes of one connection, each chunk stamped when the kernel handed it over."""
+
+    def __init__(self) -> None:
+        self.chunks: collections.deque[tuple[float, bytes]] = collections.deque()
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append((time.perf_counter(), data))
+        self.ready.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.ready.set()
+
+
 class SSEConnection:
-    """One keep-alive HTTP/1.1 connection to the gateway, on raw asyncio streams.
+    """One keep-alive HTTP/1.1 connection to the gateway, on a raw asyncio protocol.
 
     Requests are encoded before the clock starts and written without awaiting, so a wave
     of 32 reaches the gateway within microseconds, as 32 independent callers' would. (With
     httpx, the client spent about a millisecond per request: a burst of 32 left it over
-    tens of ms, and that spread was counted as the gateway's.)
+    tens of ms, and that spread was counted as the gateway's.) A token's time is when the
+    bytes that complete its event arrived, not when this process got round to parsing
+    them: 32 streams' first events arrive together, and parsing them one after another
+    would add this client's own work to the later streams' figures.
     """
 
     KEEPALIVE_S = 3.0  # uvicorn closes idle keep-alive connections after 5 s
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
+        self.transport: asyncio.Transport | None = None
+        self.arrivals = _Arrivals()
+        self.buffer = b""  # received, not yet parsed
+        self.buffer_time = 0.0  # arrival of the last chunk in `buffer`
         self.last_used = 0.0
 
     async def ensure_open(self) -> None:
-        if self.writer is not None and time.monotonic() - self.last_used < self.KEEPALIVE_S:
+        fresh = time.monotonic() - self.last_used < self.KEEPALIVE_S
+        if self.transport is not None and fresh and not self.arrivals.closed:
             return
         self.close()
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.writer.transport.set_write_buffer_limits(high=0)
+        loop = asyncio.get_running_loop()
+        self.arrivals = _Arrivals()
+        transport, _ = await loop.create_connection(lambda: self.arrivals, self.host, self.port)
+        assert isinstance(transport, asyncio.Transport)
+        transport.set_write_buffer_limits(high=0)
+        self.transport, self.buffer = transport, b""
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
+        if self.transport is not None:
+            self.transport.close()
+        self.transport = None
 
     def request_bytes(self, path: str, body: dict[str, Any]) -> bytes:
         payload = json.dumps(body).encode()
@@ -341,42 +369,65 @@ class SSEConnection:
         return head.encode() + payload
 
     def send(self, data: bytes) -> None:
-        assert self.writer is not None
-        self.writer.write(data)
+        assert self.transport is not None
+        self.transport.write(data)
+
+    async def _more(self) -> None:
+        """Move the next arrived chunk into the buffer (waiting for one if need be)."""
+        arrivals = self.arrivals
+        while not arrivals.chunks:
+            if arrivals.closed:
+                raise ConnectionError("the gateway closed the connection")
+            arrivals.ready.clear()
+            await arrivals.ready.wait()
+        self.buffer_time, chunk = arrivals.chunks.popleft()
+        self.buffer += chunk
+
+    async def read_until(self, separator: bytes) -> tuple[bytes, float]:
+        """Bytes up to and including `separator`, and when its last byte arrived."""
+        while (end := self.buffer.find(separator)) < 0:
+            await self._more()
+        end += len(separator)
+        data, self.buffer = self.buffer[:end], self.buffer[end:]
+        return data, self.buffer_time
+
+    async def read_exactly(self, size: int) -> tuple[bytes, float]:
+        while len(self.buffer) < size:
+            await self._more()
+        data, self.buffer = self.buffer[:size], self.buffer[size:]
+        return data, self.buffer_time
 
     async def read_stream(self, timing: RequestTiming) -> RequestTiming:
         """Read one chunked SSE response to `data: [DONE]`, timing each token's event."""
-        assert self.reader is not None
-        reader = self.reader
-        head = await reader.readuntil(b"\r\n\r\n")
+        head, _ = await self.read_until(b"\r\n\r\n")
         status = int(head.split(b" ", 2)[1])
         if status != 200:
             raise RuntimeError(f"HTTP {status}: {head.decode(errors='replace')}")
         if b"transfer-encoding: chunked" not in head.lower():
             raise RuntimeError(f"expected a chunked stream: {head.decode(errors='replace')}")
-        buffer = b""
+        events = b""
         while True:
-            size = int((await reader.readline()).strip(), 16)
-            chunk = await reader.readexactly(size + 2)
-            now = time.perf_counter()
+            size_line, _ = await self.read_until(b"\r\n")
+            size = int(size_line.strip(), 16)
+            chunk, arrived = await self.read_exactly(size + 2)
             if size == 0:
                 raise RuntimeError("the stream ended without data: [DONE]")
-            buffer += chunk[:-2]
-            *events, buffer = buffer.split(b"\n\n")
-            for event in events:
+            events += chunk[:-2]
+            *complete, events = events.split(b"\n\n")
+            for event in complete:
                 for line in event.split(b"\n"):
                     if not line.startswith(b"data: "):
                         continue
                     payload = line[6:]
                     if payload == b"[DONE]":
-                        await reader.readexactly(5)  # the closing 0-size chunk: 0\r\n\r\n
+                        await self.read_exactly(5)  # the closing 0-size chunk: 0\r\n\r\n
                         self.last_used = time.monotonic()
                         return timing
                     data = json.loads(payload)
                     if "error" in data:
                         raise RuntimeError(f"error event: {data['error']}")
                     if data["choices"]:
-                        timing.token_times.append(now)
+                        timing.token_times.append(arrived)
                     if data.get("usage"):
                         timing.num_tokens = data["usage"]["completion_tokens"]
 

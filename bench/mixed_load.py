@@ -67,11 +67,16 @@ PEERS = ("vllm", "llama-q4_1", "llama-f32")
 # The harvest margin of configuration c2: a step limit of 0.6 x the TPOT target, which is
 # 1.2 x the single-stream decode step when the target is 2 x that step, the ratio.
 TIGHT_MARGIN = 0.4
+# Configuration c3: a step limit of one single-stream decode step (0.5 x a target of 2 x
+# that step), so that batch joins a step beside streams only where it costs them nothing
+# the model can see, and fills the time between them.
+STREAMS_FIRST_MARGIN = 0.5
 OURS = {  # config: (policy, interactive?, batch?, extra serve arguments)
     "a": ("priority", True, False, []),
     "b": ("priority", False, True, []),
     "c": ("priority", True, True, []),
     "c2": ("priority", True, True, ["--harvest-margin", str(TIGHT_MARGIN)]),
+    "c3": ("priority", True, True, ["--harvest-margin", str(STREAMS_FIRST_MARGIN)]),
     "d": ("fcfs", True, True, []),
 }
 LABELS = {
@@ -79,6 +84,7 @@ LABELS = {
     "b": "(b) batch alone",
     "c": "(c) mixed, priority",
     "c2": f"(c2) mixed, priority, margin {TIGHT_MARGIN}",
+    "c3": f"(c3) mixed, priority, margin {STREAMS_FIRST_MARGIN}",
     "d": "(d) mixed, fcfs",
 }
 GOAL_TPOT_RATIO = 1.2
@@ -616,9 +622,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = parser.add_argument
     add(
         "--configs",
-        default="a,b,c,c2,d,e",
-        help="a: interactive alone, b: batch alone, c: mixed priority, c2: c with harvest "
-        f"margin {TIGHT_MARGIN}, d: mixed fcfs, "
+        default="a,b,c,c2,c3,d,e",
+        help="a: interactive alone, b: batch alone, c: mixed priority, c2 and c3: c with "
+        f"harvest margin {TIGHT_MARGIN} and {STREAMS_FIRST_MARGIN}, d: mixed fcfs, "
         f"e: every installed peer, or a peer by name ({', '.join(PEERS)})",
     )
     add("--quick", action="store_true", help="short durations and probes (a smoke run)")

@@ -37,7 +37,7 @@ from tokenfleet.outputs import (
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
-ARRIVAL_GAP_MS = 2  # waking from idle, wait this long for one more arrival...
+ARRIVAL_GAP_MS = 1  # waking from idle, wait this long for one more arrival...
 ARRIVAL_WINDOW_STEP_SHARE = 0.5  # ...but in all no longer than this share of a recent step
 ARRIVAL_WINDOW_MAX_S = 0.1  # (and never longer than this)
 FIRST_STEP_GUESS_S = 0.02  # before any step was timed
