@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 0.5
 ARRIVAL_GAP_MS = 1  # waking from idle, wait this long for one more arrival...
+BURST_GAP_MS = 5  # ...or this long once two or more came (a burst; a pause in the gateway)
 ARRIVAL_WINDOW_STEP_SHARE = 0.5  # ...but in all no longer than this share of a recent step
 ARRIVAL_WINDOW_MAX_S = 0.1  # (and never longer than this)
 FIRST_STEP_GUESS_S = 0.02  # before any step was timed
@@ -83,13 +84,17 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
             # is short next to a step, hence the window's cap.
             window_s = min(ARRIVAL_WINDOW_MAX_S, ARRIVAL_WINDOW_STEP_SHARE * step_s)
             window_end = time.monotonic() + window_s
+            arrivals = 0
             while True:
                 try:
                     message = decoder.decode(inputs.recv(zmq.NOBLOCK))
                 except zmq.Again:
                     # Waking from idle, give a burst of arrivals a moment to land in the
                     # same first step instead of queueing behind the first one's prefill.
-                    if not busy and time.monotonic() < window_end and inputs.poll(ARRIVAL_GAP_MS):
+                    # A lone request waits the short gap only; in a burst a longer one, so
+                    # that a collector pause in the gateway does not split it.
+                    gap_ms = BURST_GAP_MS if arrivals > 1 else ARRIVAL_GAP_MS
+                    if not busy and time.monotonic() < window_end and inputs.poll(gap_ms):
                         continue
                     break
                 if isinstance(message, Shutdown):
@@ -97,6 +102,7 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                 if isinstance(message, AbortRequests):
                     core.abort(message.req_ids)
                 elif isinstance(message, AddRequest):
+                    arrivals += 1
                     try:
                         core.add_request(message.request)
                     except InvalidRequestError as exc:
