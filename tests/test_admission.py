@@ -5,7 +5,7 @@ GenerationService wired to it (batch never refused for load)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+import time
 from pathlib import Path
 
 import pytest
@@ -225,17 +225,31 @@ class _Engine:
     def is_healthy(self) -> bool:
         return True
 
-    async def submit(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+    async def submit(self, request: EngineCoreRequest) -> _Outputs:
         queue = self.outputs[request.req_id] = asyncio.Queue()
+        return _Outputs(queue)
 
-        async def outputs() -> AsyncGenerator[EngineCoreOutput, None]:
-            while True:
-                out = await queue.get()
-                yield out
-                if out.finished:
-                    return
 
-        return outputs()
+class _Outputs:
+    """A RequestOutputs (engine_client.py) over a queue the test feeds."""
+
+    def __init__(self, queue: asyncio.Queue[EngineCoreOutput]) -> None:
+        self.queue = queue
+        self.arrived = 0.0
+        self.finished = False
+
+    def __aiter__(self) -> _Outputs:
+        return self
+
+    async def __anext__(self) -> EngineCoreOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        self.arrived, self.finished = time.monotonic(), out.finished
+        return out
+
+    async def aclose(self) -> None:
+        self.finished = True
 
 
 def _stats(coefficients: dict[str, float]) -> SchedulerStats:

@@ -181,24 +181,35 @@ class InFlightRequests:
     def prompts_ahead(self) -> list[int]:
         """Prompt lengths of interactive requests still waiting for their first token,
         oldest first: the prefill work a new interactive request queues behind."""
-        return [
-            r.num_prompt_tokens
-            for r in self._requests.values()
-            if r.interactive and r.first_token_time is None
-        ]
+        return self.snapshot()[0]
 
     def has_batch(self) -> bool:
-        return any(not r.interactive for r in self._requests.values())
+        return self.snapshot()[3]
 
     def decodes(self, *, interactive: bool) -> Decodes:
         """The class's requests past their first token. Their context is counted as the
         prompt plus one token: the gateway does not track each one's outputs here."""
-        seqs = [
-            r.num_prompt_tokens + 1
-            for r in self._requests.values()
-            if r.interactive == interactive and r.first_token_time is not None
-        ]
-        return Decodes(len(seqs), sum(seqs))
+        _, interactive_decodes, batch_decodes, _ = self.snapshot()
+        return interactive_decodes if interactive else batch_decodes
+
+    def snapshot(self) -> tuple[list[int], Decodes, Decodes, bool]:
+        """prompts_ahead(), decodes() of each class and has_batch(), in one pass (it runs
+        for every interactive request admitted)."""
+        ahead: list[int] = []
+        num = [0, 0]  # decoding requests: interactive, batch
+        kv = [0, 0]
+        has_batch = False
+        for r in self._requests.values():
+            if not r.interactive:
+                has_batch = True
+            if r.first_token_time is None:
+                if r.interactive:
+                    ahead.append(r.num_prompt_tokens)
+            else:
+                i = 0 if r.interactive else 1
+                num[i] += 1
+                kv[i] += r.num_prompt_tokens + 1
+        return ahead, Decodes(num[0], kv[0]), Decodes(num[1], kv[1]), has_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +253,7 @@ class AdmissionControl:
         max_num_batched_tokens: int,
     ) -> tuple[float, str]:
         """The predicted TTFT of a new interactive prompt, and which predictor gave it."""
-        ahead = self.requests.prompts_ahead()
+        ahead, interactive, batch, has_batch = self.requests.snapshot()
         if not any(v > 0 for v in coefficients.values()):
             return (sum(ahead) + num_prompt_tokens) / self.prefill_tokens_per_s, "ema"
         seconds = predict_ttft(
@@ -250,10 +261,10 @@ class AdmissionControl:
             max_num_batched_tokens,
             num_prompt_tokens,
             ahead,
-            self.requests.decodes(interactive=True),
-            self.requests.decodes(interactive=False),
+            interactive,
+            batch,
             self.limit,
-            self.requests.has_batch(),
+            has_batch,
         )
         return seconds, "step_model"
 

@@ -40,6 +40,10 @@ from tokenfleet.outputs import (
 logger = logging.getLogger(__name__)
 
 
+# An output and when its step's message reached this process (time.monotonic()).
+Arrival = tuple[float, EngineCoreOutput]
+
+
 class EngineDeadError(TokenfleetError):
     """The engine process died or went silent; requests in flight are lost (HTTP 503)."""
 
@@ -60,7 +64,7 @@ class AsyncEngineClient:
         self._ctx.setsockopt(zmq.LINGER, 0)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineMessage)
-        self._queues: dict[str, asyncio.Queue[EngineCoreOutput | Exception]] = {}
+        self._queues: dict[str, asyncio.Queue[Arrival | Exception]] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._input: zmq.Socket[bytes] | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -160,13 +164,13 @@ class AsyncEngineClient:
     async def _receive_loop(self) -> None:
         while True:
             message = self._decoder.decode(await self._output.recv())
-            self.last_heartbeat = time.monotonic()
+            self.last_heartbeat = now = time.monotonic()
             if isinstance(message, StepOutputs):
                 self.stats = message.outputs.stats
                 for output in message.outputs.outputs:
                     queue = self._queues.get(output.req_id)
                     if queue is not None:
-                        queue.put_nowait(output)
+                        queue.put_nowait((now, output))
             elif isinstance(message, EngineReady):
                 self.info = message
                 self._ready.set()
@@ -186,7 +190,7 @@ class AsyncEngineClient:
             raise EngineDeadError("the engine is not running")
         if request.req_id in self._queues:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use")
-        queue: asyncio.Queue[EngineCoreOutput | Exception] = asyncio.Queue()
+        queue: asyncio.Queue[Arrival | Exception] = asyncio.Queue()
         self._queues[request.req_id] = queue
         try:
             await self._send(AddRequest(request))
@@ -219,16 +223,19 @@ class AsyncEngineClient:
 class RequestOutputs:
     """One submitted request's outputs, step by step, until the finished one. `aclose()`
     forgets the request and, unless it finished, aborts it in the engine (also when no
-    output was read yet, which an unstarted async generator's close would not do)."""
+    output was read yet, which an unstarted async generator's close would not do).
+    `arrived`: when the last output returned reached this process (time.monotonic()),
+    before any wait for this request's turn on the event loop."""
 
     def __init__(
         self,
         client: AsyncEngineClient,
         req_id: str,
-        queue: asyncio.Queue[EngineCoreOutput | Exception],
+        queue: asyncio.Queue[Arrival | Exception],
     ) -> None:
         self._client, self.req_id, self._queue = client, req_id, queue
         self.finished = self.closed = False
+        self.arrived = 0.0
 
     def __aiter__(self) -> RequestOutputs:
         return self
@@ -240,8 +247,9 @@ class RequestOutputs:
         if isinstance(item, Exception):
             self.finished = True
             raise item
-        self.finished = item.finished
-        return item
+        self.arrived, output = item
+        self.finished = output.finished
+        return output
 
     async def aclose(self) -> None:
         if self.closed:

@@ -9,6 +9,7 @@ from typing import TypeVar
 import msgspec
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from tokenfleet.server.errors import APIError
 
@@ -24,11 +25,18 @@ async def limited_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
             413, "request_too_large", f"request body of {declared} bytes exceeds {limit}"
         )
     size = 0
-    async for chunk in request.stream():
+    more = True
+    while more:  # the ASGI messages themselves: Request.stream() would add a generator
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
         size += len(chunk)
         if size > limit:
             raise APIError(413, "request_too_large", f"request body exceeds {limit} bytes")
-        yield chunk
+        if chunk:
+            yield chunk
 
 
 async def read_body(request: Request, model: type[M]) -> M:

@@ -195,7 +195,6 @@ class GenerationService:
             time.monotonic(),
             priority=PRIORITIES[priority],
         )
-        labels = {"route": route, "priority": priority}
         start = last = time.monotonic()
         waiting_first = True
         num_output = 0
@@ -214,13 +213,16 @@ class GenerationService:
                     await asyncio.sleep(0)
                     yield TextDelta("", [], 0)
                 async for out in outputs:
-                    now = time.monotonic()
+                    # When the engine's step reached the gateway: the metrics are the
+                    # engine's and the way to it; what the gateway adds after is the
+                    # HTTP layer's (bench/gateway_overhead.py measures it apart).
+                    now = outputs.arrived
                     if waiting_first:
                         waiting_first = False
                         self._observe_first_token(request.req_id, now, predicted)
-                        self.metrics.ttft.labels(**labels).observe(now - start)
+                        self.metrics.ttft.labels(route, priority).observe(now - start)
                     elif out.new_token_ids:
-                        self.metrics.tpot.labels(**labels).observe(now - last)
+                        self.metrics.tpot.labels(route, priority).observe(now - last)
                     last = now
                     num_output += len(out.new_token_ids)
                     self.metrics.generation_tokens.inc(len(out.new_token_ids))
@@ -241,7 +243,7 @@ class GenerationService:
                             delta.finish_reason = out.finish_reason
                     yield delta
                     if delta.finish_reason is not None:
-                        self.metrics.e2e.labels(**labels).observe(time.monotonic() - start)
+                        self.metrics.e2e.labels(route, priority).observe(time.monotonic() - start)
                         return
         except EngineDeadError as exc:
             raise APIError(503, "engine_down", str(exc)) from exc
