@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, fields
 from typing import Any
@@ -754,6 +756,21 @@ def _end_leases(
     )
 
 
+def _set_wal(cursor: Any) -> None:
+    """Switch the database to WAL. Several processes (or threads) opening a new file at
+    once race for that first switch, and SQLite answers the losers "database is locked"
+    at once, without waiting its busy timeout: retry within that timeout."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
 def _configure_sqlite(engine: Engine) -> None:
     """WAL and a busy timeout on every connection; BEGIN IMMEDIATE for each write.
 
@@ -766,7 +783,7 @@ def _configure_sqlite(engine: Engine) -> None:
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _set_wal(cursor)
         cursor.execute("PRAGMA synchronous = NORMAL")
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
