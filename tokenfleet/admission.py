@@ -183,9 +183,6 @@ class InFlightRequests:
         oldest first: the prefill work a new interactive request queues behind."""
         return self.snapshot()[0]
 
-    def has_batch(self) -> bool:
-        return self.snapshot()[3]
-
     def decodes(self, *, interactive: bool) -> Decodes:
         """The class's requests past their first token. Their context is counted as the
         prompt plus one token: the gateway does not track each one's outputs here."""
@@ -193,8 +190,8 @@ class InFlightRequests:
         return interactive_decodes if interactive else batch_decodes
 
     def snapshot(self) -> tuple[list[int], Decodes, Decodes, bool]:
-        """prompts_ahead(), decodes() of each class and has_batch(), in one pass (it runs
-        for every interactive request admitted)."""
+        """prompts_ahead(), decodes() of each class and whether batch work is in flight,
+        in one pass (it runs for every interactive request admitted)."""
         ahead: list[int] = []
         num = [0, 0]  # decoding requests: interactive, batch
         kv = [0, 0]

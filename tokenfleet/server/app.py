@@ -58,6 +58,12 @@ DIRECT_ROUTES: dict[str, Endpoint] = {
 }
 
 
+def _internal_error(request: Request) -> JSONResponse:
+    """A 500 in the API's format for an unexpected exception (logged, being handled)."""
+    logger.exception("unhandled error on %s", request.url.path)
+    return error_response(request, APIError(500, "internal", "internal server error"))
+
+
 class Gateway(FastAPI):
     """The FastAPI app, with request ids, API keys and the generation routes handled in
     front of its middleware stack, as plain ASGI.
@@ -99,8 +105,7 @@ class Gateway(FastAPI):
         except APIError as exc:
             response = error_response(request, exc)
         except Exception:
-            logger.exception("unhandled error on %s", scope["path"])
-            response = error_response(request, APIError(500, "internal", "internal server error"))
+            response = _internal_error(request)
         await response(scope, receive, send_with_id)
 
 
@@ -157,8 +162,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s", request.url.path)
-        return error_response(request, APIError(500, "internal", "internal server error"))
+        return _internal_error(request)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:

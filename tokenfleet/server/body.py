@@ -9,7 +9,6 @@ from typing import TypeVar
 import msgspec
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect
 
 from tokenfleet.server.errors import APIError
 
@@ -25,25 +24,18 @@ async def limited_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
             413, "request_too_large", f"request body of {declared} bytes exceeds {limit}"
         )
     size = 0
-    more = True
-    while more:  # the ASGI messages themselves: Request.stream() would add a generator
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnect
-        chunk = message.get("body", b"")
-        more = message.get("more_body", False)
+    async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise APIError(413, "request_too_large", f"request body exceeds {limit} bytes")
-        if chunk:
-            yield chunk
+        yield chunk
 
 
 async def read_body(request: Request, model: type[M]) -> M:
     limit = request.app.state.config.max_body_bytes
     chunks = [chunk async for chunk in limited_chunks(request, limit)]
     try:
-        data = msgspec.json.decode(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        data = msgspec.json.decode(b"".join(chunks))
     except msgspec.DecodeError as exc:
         raise APIError(400, "invalid_request", f"malformed JSON body: {exc}") from exc
     return parse_body(data, model)
