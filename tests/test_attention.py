@@ -56,3 +56,55 @@ def test_decode_attention_matches_contiguous_attention(
         assert torch.equal(k[-1], k_new[i]) and torch.equal(v[-1], v_new[i])  # slot written
         expected.append(_reference(q[i], k, v, window))
     torch.testing.assert_close(out, torch.stack(expected), atol=2e-6, rtol=1e-5)
+
+
+def _reference_chunk(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """A chunk's queries [n, H, D], the last n positions of contiguous k, v [L, Hkv, D]."""
+    n, length = q.shape[0], k.shape[0]
+    ends = [length - n + i + 1 for i in range(n)]
+    return torch.stack([_reference(q[i], k[:e], v[:e], window) for i, e in enumerate(ends)])
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "torch"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "window"),
+    [(9, 3, 64, 16, None), (8, 2, 128, 16, 21), (8, 2, 24, 8, 5), (6, 1, 16, 2, None)],
+)
+def test_chunks_and_decodes_in_one_batch_match_contiguous_attention(
+    use_kernel: bool, heads: int, kv_heads: int, head_dim: int, block_size: int, window: int | None
+) -> None:
+    """Decodes, short chunks at the end of a context (the kernel's, more than one tile of
+    8 rows among them), a chunk longer than KERNEL_MAX_QUERY and a whole prompt, in one
+    batch: every row equals causal attention over the sequence's contiguous K/V."""
+    if use_kernel and paged_attention_lib() is None:
+        pytest.fail("the C kernel did not build: is a C compiler installed?")
+    gen = torch.Generator().manual_seed(1)
+    # (context after this step, query tokens): decodes first, as the runner orders them
+    shapes = [(5, 1), (3 * block_size, 1), (40, 2), (7, 7), (90, 9), (61, 16), (100, 17), (33, 33)]
+    num_blocks = sum(-(c // -block_size) for c, _ in shapes) + 4
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    total = sum(n for _, n in shapes)
+    q = torch.randn(total, heads, head_dim, generator=gen)
+    k_new = torch.randn(total, kv_heads, head_dim, generator=gen)
+    v_new = torch.randn(total, kv_heads, head_dim, generator=gen)
+    seqs, tables = [], []
+    for context, n in shapes:
+        blocks = -(context // -block_size)
+        ids, perm = perm[:blocks], perm[blocks:]
+        tables.append(ids)
+        seqs.append((context - n, n, ids))
+    meta = AttentionMetadata.build(seqs, block_size, torch.device("cpu"), window)
+    assert [p.in_kernel for p in meta.prefills] == [True, True, True, True, False, False]
+    attn = PagedAttention(heads, kv_heads, head_dim, window, use_kernel=use_kernel)
+    out = attn.forward(q, k_new, v_new, cache[0], cache[1], meta).view(-1, heads, head_dim)
+    expected, row = [], 0
+    for (context, n), ids in zip(shapes, tables, strict=True):
+        k = cache[0][ids].reshape(-1, kv_heads, head_dim)[:context]
+        v = cache[1][ids].reshape(-1, kv_heads, head_dim)[:context]
+        assert torch.equal(k[context - n :], k_new[row : row + n])  # slots written
+        expected.append(_reference_chunk(q[row : row + n], k, v, window))
+        row += n
+    torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)

@@ -75,10 +75,10 @@ def paged_attention_lib() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or str(exc)
         logger.warning("paged attention kernel unavailable (%s): using torch", detail.strip())
         return None
-    fn = lib.paged_decode_attention_f32
+    fn = lib.paged_attention_f32
     fn.restype = None
     fn.argtypes = (
-        [ctypes.c_void_p] * 6
+        [ctypes.c_void_p] * 8
         + [ctypes.c_int64] * 6
         + [
             ctypes.c_float,
@@ -89,31 +89,38 @@ def paged_attention_lib() -> ctypes.CDLL | None:
     return lib
 
 
-def paged_decode_attention(
-    q: torch.Tensor,  # [B, H, D] float32
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D] float32: each sequence's query rows, one after another
     k_cache: torch.Tensor,  # [num_blocks, BS, HKV, D]
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int64
-    context_lens: torch.Tensor,  # [B] int64
+    context_lens: torch.Tensor,  # [B] int64: each sequence's context, its queries included
+    query_starts: torch.Tensor,  # [B] int64: its first row in q
+    query_lens: torch.Tensor,  # [B] int64: its rows (the last query_lens of its context)
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """Causal attention of each sequence's query rows over its paged context, read in
+    place (kernels/paged_attention.c)."""
     lib = paged_attention_lib()
     assert lib is not None, "call only when paged_attention_lib() is available"
     q = q.contiguous()
     assert q.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    assert block_tables.dtype == torch.int64 and context_lens.dtype == torch.int64
-    b, h, d = q.shape
+    for index in (block_tables, context_lens, query_starts, query_lens):
+        assert index.dtype == torch.int64 and index.is_contiguous()
+    _, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     out = torch.empty_like(q)
-    lib.paged_decode_attention_f32(
+    lib.paged_attention_f32(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
         context_lens.data_ptr(),
+        query_starts.data_ptr(),
+        query_lens.data_ptr(),
         out.data_ptr(),
-        b,
+        block_tables.shape[0],
         h,
         hkv,
         d,
