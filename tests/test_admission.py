@@ -269,7 +269,7 @@ def _service(engine: _Engine, tokenizer: Tokenizer, ttft_target_s: float) -> Gen
 def test_service_predicts_with_the_engine_step_limit(tokenizer: Tokenizer) -> None:
     engine = _Engine(None)
     engine.config = EngineConfig(tpot_target_s=0.25, harvest_margin=0.5, min_prefill_chunk=8)
-    assert _service(engine, tokenizer, 2.0).admission.limit == StepLimit(0.125, 8)
+    assert _service(engine, tokenizer, 2.0).admission.limit == StepLimit(0.125, 8, 0.25)
     engine.config = EngineConfig(scheduling_policy="fcfs")
     assert _service(engine, tokenizer, 2.0).admission.limit is None
 

@@ -263,6 +263,15 @@ def test_prompts_are_capped_only_while_streams_decode_beside_them() -> None:
     late = _req("late", 40_000, 39_000)
     assert _prefill_budget([decoding, late]) == 16
     assert _prefill_budget([decoding, late], min_tokens=3) == 3
+    # The floor may use up the margin but not break the TPOT target itself: at context
+    # 50,000, 7 tokens keep the step within 4 * 2^20 ticks and 8 do not; at 60,000 not even
+    # one does, and the prompt still gets one token a step.
+    deeper, deepest = _req("deeper", 60_000, 50_000), _req("deepest", 70_000, 60_000)
+    assert _prefill_budget([decoding, deeper]) == 7
+    beside = StepFeatures.of_chunk(1, 40)
+    seven, eight = (beside + StepFeatures.of_chunk(n, 50_000) for n in (7, 8))
+    assert MODEL.predict(seven) <= TARGET < MODEL.predict(eight)
+    assert _prefill_budget([decoding, deepest]) == 1
     # Streams that alone break the limit: no cut could meet it, so none.
     many = [_req(f"d{n}", 41, 40) for n in range(40)]
     assert MODEL.predict(StepFeatures(decode_seqs=40, kv_tokens_read=40 * 41)) > LIMIT * TICK

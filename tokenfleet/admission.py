@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenfleet.harvest import pack
+from tokenfleet.harvest import pack, with_floor
 from tokenfleet.step_model import TERMS, StepFeatures
 
 
@@ -41,10 +41,12 @@ class Decodes:
 class StepLimit:
     """The priority policy's limit on a step beside interactive work (harvest.py):
     `seconds` = TPOT target less the margin; prompts beside decodes get at least
-    `min_prefill_chunk` tokens a step."""
+    `min_prefill_chunk` tokens a step, as far as the TPOT target itself
+    (`target_seconds`) allows (harvest.with_floor)."""
 
     seconds: float
     min_prefill_chunk: int
+    target_seconds: float = math.inf
 
 
 def step_seconds(coefficients: Mapping[str, float], features: StepFeatures) -> float:
@@ -95,8 +97,20 @@ def predict_ttft(
         step = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i)
         if limit is not None and num_i and step_seconds(coefficients, step) <= limit.seconds:
             chunks = [(pos, prefills[0] - pos), *((0, n) for n in list(prefills)[1:])]
-            fits = pack(_Priced(coefficients), step, chunks, limit.seconds, budget)
-            budget = min(budget, max(fits, limit.min_prefill_chunk))
+            priced = _Priced(coefficients)
+            fits = pack(priced, step, chunks, limit.seconds, budget)
+            budget = min(
+                budget,
+                with_floor(
+                    priced,
+                    step,
+                    chunks,
+                    fits,
+                    limit.target_seconds,
+                    limit.min_prefill_chunk,
+                    budget,
+                ),
+            )
         joined, joined_kv = 0, 0
         chunks = []
         while budget and prefills:

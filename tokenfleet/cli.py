@@ -148,8 +148,9 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--min-prefill-chunk",
         type=int,
         default=16,
-        help="prompt tokens a step at least, however long the step beside running streams "
-        "is predicted to take (default %(default)s)",
+        help="prompt tokens a step at least beside running streams, so that a prompt keeps "
+        "moving: beyond the harvest limit, but never beyond the TPOT target itself (then "
+        "fewer, at least 1) (default %(default)s)",
     )
     add(
         "--scheduling-policy",

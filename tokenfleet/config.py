@@ -76,7 +76,8 @@ class EngineConfig:
     step only while its predicted time stays within `tpot_target_s` * (1 -
     `harvest_margin`); the default target is the reference GPU's. The same limit cuts
     interactive prompts into chunks while interactive streams decode, down to
-    `min_prefill_chunk` tokens a step (harvest.prefill_budget).
+    `min_prefill_chunk` tokens a step, or fewer (at least one) where that many would break
+    the TPOT target itself (harvest.prefill_budget).
     """
 
     model: str | None = None

@@ -165,7 +165,27 @@ def prefill_budget(
         # reference GPU's on a CPU): cutting prompts would only starve them, no cap.
         return None
     room = max(0, max_tokens - num_decodes)
-    return min(max(pack(model, decodes, prompts, limit, room), min_tokens), room)
+    fits = pack(model, decodes, prompts, limit, room)
+    return min(with_floor(model, decodes, prompts, fits, tpot_target_s, min_tokens, room), room)
+
+
+def with_floor(
+    model: StepCost,
+    step: StepFeatures,
+    prompts: Iterable[tuple[int, int]],
+    fits: int,
+    tpot_target_s: float,
+    min_tokens: int,
+    room: int,
+) -> int:
+    """The prompt tokens a step beside decodes takes: `fits` (what the limit leaves), or
+    if that is fewer, the floor: `min_tokens`, so that a prompt keeps moving, but only as
+    many of them as keep the step within the TPOT target itself (the floor may use up the
+    margin, not break the target), and at least one. A chunk deep into a long prompt reads
+    its whole context, so near the end of one the floor is what decides the streams' gaps."""
+    if fits >= min_tokens:
+        return fits
+    return max(1, min(min_tokens, pack(model, step, prompts, tpot_target_s, room)))
 
 
 class BudgetSettings(Protocol):

@@ -91,7 +91,7 @@ class GenerationService:
         limit = None
         if engine.scheduling_policy == "priority":
             seconds = step_time_limit(engine.tpot_target_s, engine.harvest_margin)
-            limit = StepLimit(seconds, engine.min_prefill_chunk)
+            limit = StepLimit(seconds, engine.min_prefill_chunk, engine.tpot_target_s)
         self.admission = AdmissionControl(
             config.ttft_target_s, config.initial_prefill_tokens_per_s, limit
         )
