@@ -87,7 +87,7 @@ def test_a_one_token_chunk_is_priced_as_the_decode_the_runner_makes_of_it() -> N
 
 
 def test_prompts_beside_interactive_decodes_are_cut_to_the_step_limit() -> None:
-    decodes, limit = Decodes(3, 3000), StepLimit(2.0**-4, 16)
+    decodes, limit = Decodes(3, 3000), StepLimit(2.0**-4, 16, 2.0**-3)
     # The decodes cost A + 3C + 3000D; 21 prompt tokens fit beside them, 22 do not.
     assert A + 3 * C + 3000 * D + _prefill(21, 0) <= limit.seconds
     assert A + 3 * C + 3000 * D + _prefill(22, 0) > limit.seconds
@@ -98,17 +98,33 @@ def test_prompts_beside_interactive_decodes_are_cut_to_the_step_limit() -> None:
     assert predict_ttft(COEF, 512, 30, (), decodes) == A + 3 * C + 3000 * D + _prefill(30, 0)
 
 
-def test_decodes_over_the_limit_leave_prompts_uncut() -> None:
-    # The decodes alone break a limit of 2^-6 s: no cut could meet it, the prompt goes
-    # whole, as the engine plans it (harvest.prefill_budget).
-    decodes, limit = Decodes(3, 3000), StepLimit(2.0**-6, 16)
-    assert limit.seconds < A + 3 * C + 3000 * D
-    expected = A + 3 * C + 3000 * D + _prefill(40, 0)
-    assert predict_ttft(COEF, 512, 40, (), decodes, limit=limit) == expected
+def test_streams_over_the_limit_get_the_floor_and_an_unreachable_target_no_cut() -> None:
+    decodes = Decodes(3, 3000)
+    decode_step = A + 3 * C + 3000 * D
+    # One decode alone (A + C + D) breaks a target of 2^-8 s: this hardware cannot meet
+    # it, the prompt goes whole, as the engine plans it (harvest.prefill_budget).
+    assert A + C + D > 2.0**-8
+    uncut = StepLimit(2.0**-9, 16, 2.0**-8)
+    assert predict_ttft(COEF, 512, 40, (), decodes, limit=uncut) == decode_step + _prefill(40, 0)
+    # Streams over the limit but within the target: the floor, 16 tokens a step.
+    floored = StepLimit(2.0**-6, 16, 2.0**-3)
+    assert 2.0**-6 < decode_step < 2.0**-3
+    steps = [
+        decode_step + _prefill(16, 0),
+        decode_step + 3 * D + _prefill(16, 16),
+        decode_step + 6 * D + _prefill(8, 32),
+    ]
+    assert max(steps) <= floored.target_seconds
+    assert predict_ttft(COEF, 512, 40, (), decodes, limit=floored) == sum(steps)
+    # Streams over a target one decode meets: one token a step (a decode of its own).
+    crawl = StepLimit(2.0**-7, 16, 2.0**-6)
+    assert A + C + D <= 2.0**-6 < decode_step
+    steps = [decode_step + 3 * i * D + C + (i + 1) * D for i in range(3)]
+    assert predict_ttft(COEF, 512, 3, (), decodes, limit=crawl) == pytest.approx(sum(steps))
 
 
 def test_batch_in_flight_fills_each_step_up_to_the_limit() -> None:
-    limit = StepLimit(0.5, 16)
+    limit = StepLimit(0.5, 16, 1.0)
     assert predict_ttft(COEF, 512, 100, limit=limit) == A + _prefill(100, 0)  # no batch
     assert predict_ttft(COEF, 512, 100, limit=limit, batch_in_flight=True) == 0.5
     # Batch decodes no longer ride in the token budget: they are in the limit.

@@ -272,10 +272,30 @@ def test_prompts_are_capped_only_while_streams_decode_beside_them() -> None:
     seven, eight = (beside + StepFeatures.of_chunk(n, 50_000) for n in (7, 8))
     assert MODEL.predict(seven) <= TARGET < MODEL.predict(eight)
     assert _prefill_budget([decoding, deepest]) == 1
-    # Streams that alone break the limit: no cut could meet it, so none.
+    # Streams that alone break the limit but not the target: the floor.
     many = [_req(f"d{n}", 41, 40) for n in range(40)]
-    assert MODEL.predict(StepFeatures(decode_seqs=40, kv_tokens_read=40 * 41)) > LIMIT * TICK
-    assert _prefill_budget([*many, prompt]) is None
+    streams = StepFeatures(decode_seqs=40, kv_tokens_read=40 * 41)
+    assert LIMIT * TICK < MODEL.predict(streams) <= TARGET
+    assert MODEL.predict(streams + StepFeatures.of_chunk(16, 4000)) <= TARGET
+    assert _prefill_budget([*many, prompt]) == 16
+    # Streams that alone break the target: one token a step, not the whole prompt.
+    more = [_req(f"d{n}", 41, 40) for n in range(60)]
+    assert MODEL.predict(StepFeatures(decode_seqs=60, kv_tokens_read=60 * 41)) > TARGET
+    assert _prefill_budget([*more, prompt]) == 1
+    # A target one decode alone breaks (this hardware cannot meet it): no cut at all.
+    assert MODEL.predict(StepFeatures.of_chunk(1, 0)) > 2.0**-7
+    unreachable = prefill_budget(
+        MODEL,
+        [decoding, prompt],
+        (),
+        max_num_seqs=8,
+        block_size=16,
+        tpot_target_s=2.0**-7,
+        margin=MARGIN,
+        max_tokens=512,
+        min_tokens=16,
+    )
+    assert unreachable is None
 
 
 def test_scheduler_caps_prompt_chunks_not_decodes() -> None:

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenfleet.harvest import pack, with_floor
+from tokenfleet.harvest import pack, target_reachable, with_floor
 from tokenfleet.step_model import TERMS, StepFeatures
 
 
@@ -46,7 +46,7 @@ class StepLimit:
 
     seconds: float
     min_prefill_chunk: int
-    target_seconds: float = math.inf
+    target_seconds: float
 
 
 def step_seconds(coefficients: Mapping[str, float], features: StepFeatures) -> float:
@@ -90,14 +90,15 @@ def predict_ttft(
     num_i, kv_i = interactive.num_seqs, interactive.num_kv_tokens
     num_b, kv_b = batch.num_seqs, batch.num_kv_tokens
     total = 0.0
+    priced = _Priced(coefficients)
+    reachable = limit is not None and target_reachable(priced, limit.target_seconds)
     while True:
         # max(.., 1): with more decodes than budget the engine would stall prefill; never
         # with max_num_seqs under max_num_batched_tokens, and the loop must end.
         budget = max(max_num_batched_tokens - num_i, 1)
         step = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i)
-        if limit is not None and num_i and step_seconds(coefficients, step) <= limit.seconds:
+        if limit is not None and num_i and reachable:
             chunks = [(pos, prefills[0] - pos), *((0, n) for n in list(prefills)[1:])]
-            priced = _Priced(coefficients)
             fits = pack(priced, step, chunks, limit.seconds, budget)
             budget = min(
                 budget,

@@ -159,14 +159,21 @@ def prefill_budget(
         prompts.append(((num_tokens - 1) // block_size * block_size, num_tokens))
     if not prompts:
         return None
-    limit = step_time_limit(tpot_target_s, margin)
-    if model.predict(decodes) > limit:
-        # The decodes alone break the limit (a target this hardware cannot meet, like the
-        # reference GPU's on a CPU): cutting prompts would only starve them, no cap.
+    if not target_reachable(model, tpot_target_s):
         return None
+    limit = step_time_limit(tpot_target_s, margin)
     room = max(0, max_tokens - num_decodes)
     fits = pack(model, decodes, prompts, limit, room)
     return min(with_floor(model, decodes, prompts, fits, tpot_target_s, min_tokens, room), room)
+
+
+def target_reachable(model: StepCost, tpot_target_s: float) -> bool:
+    """Whether one stream's decode step alone fits the target. When not (a target this
+    hardware cannot meet, like the reference GPU's on a CPU), cutting prompts would only
+    starve them: they are not cut. When it does but the running streams alone take more
+    (their contexts grew), prompts get the floor (with_floor): uncut, a chunk deep into a
+    long prompt would stall every stream for seconds."""
+    return model.predict(StepFeatures.of_chunk(1, 0)) <= tpot_target_s
 
 
 def with_floor(
