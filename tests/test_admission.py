@@ -106,6 +106,12 @@ def test_streams_over_the_limit_get_the_floor_and_an_unreachable_target_no_cut()
     assert A + C + D > 2.0**-8
     uncut = StepLimit(2.0**-9, 16, 2.0**-8)
     assert predict_ttft(COEF, 512, 40, (), decodes, limit=uncut) == decode_step + _prefill(40, 0)
+    # Unless the engine's start-up profile says one decode meets it (the engine asks its
+    # profile, harvest.target_reachable): then one token a step, priced by COEF.
+    profile = {**COEF, "intercept": 2.0**-10}
+    crawl = [decode_step + 3 * i * D + C + (i + 1) * D for i in range(40)]
+    given = predict_ttft(COEF, 512, 40, (), decodes, limit=uncut, profile=profile)
+    assert given == pytest.approx(sum(crawl))
     # Streams over the limit but within the target: the floor, 16 tokens a step.
     floored = StepLimit(2.0**-6, 16, 2.0**-3)
     assert 2.0**-6 < decode_step < 2.0**-3

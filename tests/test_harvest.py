@@ -544,3 +544,25 @@ def test_fcfs_policy_is_arrival_order_without_a_harvest_budget(
     assert engine._fcfs_batch == set()
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="lifo")
+
+
+def test_reachability_is_the_reference_models_not_a_drifted_fit() -> None:
+    """The engine asks its start-up profile's fit whether one decode meets the target:
+    an online fit that drifted (its fixed cost past the target, as a window of alike steps
+    allows) must not uncut prompts beside streams."""
+    decoding, late = _req("d", 41, 40), _req("late", 70_000, 60_000)
+    drifted = HandSetStepModel(5 * 2**20, B, C, D, E)  # a step's fixed cost over TARGET
+    assert drifted.predict(StepFeatures.of_chunk(1, 0)) > TARGET
+    common = {
+        "max_num_seqs": 8,
+        "block_size": 16,
+        "tpot_target_s": TARGET,
+        "margin": MARGIN,
+        "max_tokens": 512,
+        "min_tokens": 16,
+    }
+    assert prefill_budget(drifted, [decoding, late], (), **common) is None
+    assert prefill_budget(drifted, [decoding, late], (), **common, reference=MODEL) == 1
+    # And the other way: a reference that cannot meet the target leaves prompts uncut.
+    assert prefill_budget(MODEL, [decoding, late], (), **common) == 1
+    assert prefill_budget(MODEL, [decoding, late], (), **common, reference=drifted) is None

@@ -24,12 +24,7 @@ from tokenfleet.sim.autoscaler import (
     target_replicas,
 )
 from tokenfleet.sim.config import ConfigError, SimConfig, parse_config
-from tokenfleet.sim.cost_model import (
-    LinearStepCost,
-    RooflineCost,
-    load_coefficients,
-    profile_step_model,
-)
+from tokenfleet.sim.cost_model import RooflineCost, load_coefficients, profile_step_model
 from tokenfleet.sim.dispatch import BatchBacklog, JobState, room
 from tokenfleet.sim.fleet import SimSettings, Simulation
 from tokenfleet.sim.hardware import deployment
@@ -46,7 +41,7 @@ from tokenfleet.sim.workload import (
     interactive_arrivals,
     prompt_token_ids,
 )
-from tokenfleet.step_model import TERMS, StepFeatures
+from tokenfleet.step_model import TERMS, LinearStepCost, StepFeatures
 
 # -- cost models ---------------------------------------------------------------------
 

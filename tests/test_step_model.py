@@ -175,6 +175,22 @@ def test_step_model_config_refuses_bad_settings() -> None:
 # -- online --------------------------------------------------------------------------------
 
 
+def test_the_profiles_own_fit_stays_while_the_online_fit_moves() -> None:
+    model = StepTimeModel(StepModelConfig(window=64))
+    assert model.profiled is None and model.profile_coefficients == {}
+    model.set_prior(_samples(TRUE, _profile_steps()))
+    assert model.profiled is not None
+    np.testing.assert_allclose(model.profiled.coefficients, TRUE, rtol=1e-9)
+    assert list(model.profile_coefficients) == list(TERMS)
+    # Steps twice as slow as the profile: the online fit follows, the profile's does not.
+    slow = [StepFeatures.of_chunk(1, c) for c in (15, 255, 1023)] * 30
+    for s in _samples(TRUE * 2, slow):
+        model.observe(s.features, s.seconds)
+    f = StepFeatures.of_chunk(1, 255)
+    assert model.predict(f) == pytest.approx(2 * float(f.vector() @ TRUE), rel=0.05)
+    assert model.profiled.predict(f) == pytest.approx(float(f.vector() @ TRUE), rel=1e-9)
+
+
 def test_online_refit_follows_a_change_within_its_window_and_keeps_the_prior() -> None:
     model = StepTimeModel(StepModelConfig(window=64, refit_interval=8))
     model.set_prior(_samples(TRUE, _profile_steps()))

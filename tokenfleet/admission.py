@@ -74,6 +74,7 @@ def predict_ttft(
     batch: Decodes = Decodes(),
     limit: StepLimit | None = None,
     batch_in_flight: bool | None = None,
+    profile: Mapping[str, float] | None = None,
 ) -> float:
     """Seconds until a new interactive prompt of `num_prompt_tokens` is prefilled, behind
     the interactive `prompts_ahead` (oldest first) and with the given running decodes.
@@ -91,7 +92,9 @@ def predict_ttft(
     num_b, kv_b = batch.num_seqs, batch.num_kv_tokens
     total = 0.0
     priced = _Priced(coefficients)
-    reachable = limit is not None and target_reachable(priced, limit.target_seconds)
+    # As the engine asks it: of its start-up profile's fit (`profile`) when there is one.
+    reference = _Priced(profile) if profile else priced
+    reachable = limit is not None and target_reachable(reference, limit.target_seconds)
     while True:
         # max(.., 1): with more decodes than budget the engine would stall prefill; never
         # with max_num_seqs under max_num_batched_tokens, and the loop must end.
@@ -263,6 +266,7 @@ class AdmissionControl:
         num_prompt_tokens: int,
         coefficients: Mapping[str, float],
         max_num_batched_tokens: int,
+        profile: Mapping[str, float] | None = None,
     ) -> tuple[float, str]:
         """The predicted TTFT of a new interactive prompt, and which predictor gave it."""
         ahead, interactive, batch, has_batch = self.requests.snapshot()
@@ -277,6 +281,7 @@ class AdmissionControl:
             batch,
             self.limit,
             has_batch,
+            profile,
         )
         return seconds, "step_model"
 
@@ -285,10 +290,14 @@ class AdmissionControl:
         num_prompt_tokens: int,
         coefficients: Mapping[str, float],
         max_num_batched_tokens: int,
+        profile: Mapping[str, float] | None = None,
     ) -> Verdict:
         """Admit at or under the target; over it, refuse with Retry-After = the predicted
-        excess rounded up to whole seconds (at least 1)."""
-        seconds, predictor = self.predict(num_prompt_tokens, coefficients, max_num_batched_tokens)
+        excess rounded up to whole seconds (at least 1). `profile`: the engine's start-up
+        profile's coefficients (predict_ttft)."""
+        seconds, predictor = self.predict(
+            num_prompt_tokens, coefficients, max_num_batched_tokens, profile
+        )
         if seconds <= self.ttft_target_s:
             return Verdict(seconds, predictor)
         return Verdict(seconds, predictor, max(1, math.ceil(seconds - self.ttft_target_s)))

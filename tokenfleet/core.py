@@ -173,7 +173,9 @@ class EngineCore:
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         now = time.monotonic() if now is None else now
         if self.config.scheduling_policy == "priority":
-            budgets = PriorityBudgets.from_config(self.scheduler, self.step_model, self.config)
+            budgets = PriorityBudgets.from_config(
+                self.scheduler, self.step_model, self.config, self.step_model.profiled
+            )
             scheduler_output = budgets.schedule(now)
             if budgets.last_batch_budget is not None:
                 self.last_batch_token_budget = budgets.last_batch_budget
@@ -225,6 +227,7 @@ class EngineCore:
             step_time_error_p50=None if errors is None else errors[0],
             step_time_error_p99=None if errors is None else errors[1],
             step_time_coefficients=self.step_model.coefficients,
+            step_time_profile=self.step_model.profile_coefficients,
             num_running_by_class=_by_class(num_running_interactive, len(scheduler.running)),
             num_waiting_by_class=_by_class(num_waiting_interactive, len(scheduler.waiting)),
             num_preemptions_by_class=_by_class(num_preempted_interactive, sum(preempted.values())),

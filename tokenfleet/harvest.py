@@ -130,6 +130,7 @@ def prefill_budget(
     margin: float,
     max_tokens: int,
     min_tokens: int,
+    reference: StepCost | None = None,
 ) -> int | None:
     """The token budget of a step's interactive prompt chunks, or None for no cap.
 
@@ -159,7 +160,7 @@ def prefill_budget(
         prompts.append(((num_tokens - 1) // block_size * block_size, num_tokens))
     if not prompts:
         return None
-    if not target_reachable(model, tpot_target_s):
+    if not target_reachable(reference or model, tpot_target_s):
         return None
     limit = step_time_limit(tpot_target_s, margin)
     room = max(0, max_tokens - num_decodes)
@@ -172,7 +173,10 @@ def target_reachable(model: StepCost, tpot_target_s: float) -> bool:
     hardware cannot meet, like the reference GPU's on a CPU), cutting prompts would only
     starve them: they are not cut. When it does but the running streams alone take more
     (their contexts grew), prompts get the floor (with_floor): uncut, a chunk deep into a
-    long prompt would stall every stream for seconds."""
+    long prompt would stall every stream for seconds. The engine asks its start-up
+    profile's fit (`reference`): an online fit over a window of alike steps (three streams
+    and a one-token chunk, for minutes) cannot tell the step's fixed cost from the cost
+    per decode, and drifted past the target (a measured run: 52 -> 133 ms in 200 steps)."""
     return model.predict(StepFeatures.of_chunk(1, 0)) <= tpot_target_s
 
 
@@ -221,15 +225,21 @@ class PriorityBudgets:
         tpot_target_s: float,
         margin: float,
         min_prefill_chunk: int,
+        reference: StepCost | None = None,
     ) -> None:
         self.scheduler, self.model, self.block_size = scheduler, model, block_size
         self.tpot_target_s, self.margin = tpot_target_s, margin
         self.min_prefill_chunk = min_prefill_chunk
+        self.reference = reference  # for target_reachable; None: `model`
         self.last_batch_budget: int | None = None  # as the scheduler was last told
 
     @classmethod
     def from_config(
-        cls, scheduler: Scheduler, model: StepCost, config: BudgetSettings
+        cls,
+        scheduler: Scheduler,
+        model: StepCost,
+        config: BudgetSettings,
+        reference: StepCost | None = None,
     ) -> PriorityBudgets:
         """The budgets the engine and the simulator plan each step with."""
         return cls(
@@ -239,6 +249,7 @@ class PriorityBudgets:
             tpot_target_s=config.tpot_target_s,
             margin=config.harvest_margin,
             min_prefill_chunk=config.min_prefill_chunk,
+            reference=reference,
         )
 
     def schedule(self, now: float) -> SchedulerOutput:
@@ -259,6 +270,7 @@ class PriorityBudgets:
             margin=self.margin,
             max_tokens=config.max_num_batched_tokens,
             min_tokens=self.min_prefill_chunk,
+            reference=self.reference,
         )
 
     def batch_budget(self, interactive_chunks: list[tuple[int, int]]) -> int:

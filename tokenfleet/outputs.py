@@ -57,6 +57,8 @@ class SchedulerStats(msgspec.Struct):
     step_time_error_p50: float | None = None
     step_time_error_p99: float | None = None
     step_time_coefficients: dict[str, float] = {}
+    # The start-up profile's fit, never refitted (StepTimeModel.profiled); {} without one.
+    step_time_profile: dict[str, float] = {}
     # Interactive and batch side by side, keyed "interactive" and "batch": requests
     # running and waiting, and preemptions since start.
     num_running_by_class: dict[str, int] = {}

@@ -88,6 +88,37 @@ class StepFeatures:
         return np.array(self.values(), dtype=np.float64)
 
 
+@dataclass(frozen=True)
+class LinearStepCost:
+    """t = sum of coefficient x term over TERMS (the intercept per step): a step-time model
+    frozen at given coefficients (the profile's fit; the simulator's cost model)."""
+
+    coefficients: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.coefficients) != len(TERMS):
+            raise ValueError(f"{len(TERMS)} coefficients expected ({TERMS})")
+        if any(c < 0 for c in self.coefficients):
+            raise ValueError(f"coefficients must be >= 0, got {self.coefficients}")
+
+    @classmethod
+    def from_dict(cls, coefficients: dict[str, float]) -> LinearStepCost:
+        unknown = set(coefficients) - set(TERMS)
+        if unknown:
+            raise ValueError(f"unknown terms {sorted(unknown)}; terms are {TERMS}")
+        return cls(tuple(float(coefficients.get(t, 0.0)) for t in TERMS))
+
+    def predict(self, features: StepFeatures) -> float:
+        a, b, c, d, e = self.coefficients
+        return (
+            a
+            + b * features.prefill_tokens
+            + c * features.decode_seqs
+            + d * features.kv_tokens_read
+            + e * features.prefill_attention
+        )
+
+
 def step_features(scheduler_output: SchedulerOutput) -> StepFeatures:
     """The features of a scheduled step: the sum of its requests' chunks."""
     total = StepFeatures()
@@ -246,6 +277,10 @@ class StepTimeModel:
         self.prior: list[StepSample] = []
         self._prior_gram = np.zeros((len(TERMS), len(TERMS)))
         self._prior_h = np.zeros(len(TERMS))
+        # The start-up profile's own fit, never refitted: what this hardware does on the
+        # steps it timed, for questions a window of alike recent steps cannot answer
+        # (harvest.target_reachable). None without a profile.
+        self.profiled: LinearStepCost | None = None
         self._window: deque[StepSample] = deque(maxlen=self.config.window)
         # The window's relative rows, a ring buffer in step with _window.
         self._rows = np.zeros((self.config.window, len(TERMS)))
@@ -260,6 +295,13 @@ class StepTimeModel:
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit of each of TERMS (the intercept in seconds per step)."""
         return {t: float(c) for t, c in zip(TERMS, self._coef, strict=True)}
+
+    @property
+    def profile_coefficients(self) -> dict[str, float]:
+        """`profiled` as term -> value ({} without a profile)."""
+        if self.profiled is None:
+            return {}
+        return {t: c for t, c in zip(TERMS, self.profiled.coefficients, strict=True)}
 
     @property
     def samples(self) -> list[StepSample]:
@@ -280,6 +322,9 @@ class StepTimeModel:
         rows = relative_rows(self.prior) * np.sqrt(self.config.prior_weight)
         self._prior_gram = rows.T @ rows
         self._prior_h = rows.sum(axis=0) * np.sqrt(self.config.prior_weight)
+        if self.prior:
+            coef = fit_coefficients(self.prior, self.config.terms)
+            self.profiled = LinearStepCost(tuple(float(c) for c in coef))
         self.refit()
 
     def refit(self) -> None:

@@ -167,8 +167,9 @@ class GenerationService:
         # (starting, or a restarted engine) leaves admission to its EMA fallback.
         stats = self.client.stats
         coefficients = stats.step_time_coefficients if stats is not None else {}
+        profile = stats.step_time_profile if stats is not None else {}
         budget = self.client.config.scheduler.max_num_batched_tokens
-        return self.admission.check(num_prompt_tokens, coefficients, budget)
+        return self.admission.check(num_prompt_tokens, coefficients, budget, profile)
 
     async def generate(
         self,

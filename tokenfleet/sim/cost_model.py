@@ -7,8 +7,9 @@ its SchedulerOutput says it does:
   every request's context KV, and does 2 FLOPs per weight per token plus attention; it
   takes the longer of the two (memory- or compute-bound), plus the tensor-parallel
   all-reduces (two a layer, ring) and a fixed per-step overhead.
-* LinearStepCost: the engine's own step-time model, t = coefficients . TERMS, with the
-  coefficients a measured engine fitted (StepTimeModel.coefficients, /metrics, JSON).
+* LinearStepCost (step_model.py): the engine's own step-time model, t = coefficients .
+  TERMS, with the coefficients a measured engine fitted (StepTimeModel.coefficients,
+  /metrics, JSON).
 
 The replica's *scheduler* never sees the cost model: like the engine, it plans with a
 StepTimeModel fitted on a start-up profile (profile_step_model), here priced by the cost
@@ -26,7 +27,7 @@ from typing import Any
 from tokenfleet.harvest import StepCost
 from tokenfleet.sim.hardware import Deployment
 from tokenfleet.step_model import (
-    TERMS,
+    LinearStepCost,
     StepFeatures,
     StepModelConfig,
     StepSample,
@@ -64,36 +65,6 @@ class RooflineCost:
             acc.link_bytes_per_s * acc.link_efficiency
         )
         return 2 * model.num_layers * one
-
-
-@dataclass(frozen=True)
-class LinearStepCost:
-    """t = sum of coefficient x term over TERMS (the intercept per step)."""
-
-    coefficients: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if len(self.coefficients) != len(TERMS):
-            raise ValueError(f"{len(TERMS)} coefficients expected ({TERMS})")
-        if any(c < 0 for c in self.coefficients):
-            raise ValueError(f"coefficients must be >= 0, got {self.coefficients}")
-
-    @classmethod
-    def from_dict(cls, coefficients: dict[str, float]) -> LinearStepCost:
-        unknown = set(coefficients) - set(TERMS)
-        if unknown:
-            raise ValueError(f"unknown terms {sorted(unknown)}; terms are {TERMS}")
-        return cls(tuple(float(coefficients.get(t, 0.0)) for t in TERMS))
-
-    def predict(self, features: StepFeatures) -> float:
-        a, b, c, d, e = self.coefficients
-        return (
-            a
-            + b * features.prefill_tokens
-            + c * features.decode_seqs
-            + d * features.kv_tokens_read
-            + e * features.prefill_attention
-        )
 
 
 def load_coefficients(path: Path) -> LinearStepCost:

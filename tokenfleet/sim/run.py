@@ -15,18 +15,14 @@ from itertools import accumulate
 
 from tokenfleet.harvest import StepCost
 from tokenfleet.sim.config import SimConfig
-from tokenfleet.sim.cost_model import (
-    LinearStepCost,
-    RooflineCost,
-    load_coefficients,
-    profile_step_model,
-)
+from tokenfleet.sim.cost_model import RooflineCost, load_coefficients, profile_step_model
 from tokenfleet.sim.dispatch import JobState
 from tokenfleet.sim.fleet import JobSubmission, SimSettings, Simulation
 from tokenfleet.sim.metrics import Metrics
 from tokenfleet.sim.pool import FleetPolicy
 from tokenfleet.sim.trace import read_trace
 from tokenfleet.sim.workload import INTERACTIVE, Arrival, batch_requests, interactive_arrivals
+from tokenfleet.step_model import LinearStepCost
 
 
 @dataclass
