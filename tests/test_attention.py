@@ -67,17 +67,25 @@ def _reference_chunk(
     return torch.stack([_reference(q[i], k[:e], v[:e], window) for i, e in enumerate(ends)])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "torch"])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim", "block_size", "window"),
     [(9, 3, 64, 16, None), (8, 2, 128, 16, 21), (8, 2, 24, 8, 5), (6, 1, 16, 2, None)],
 )
 def test_chunks_and_decodes_in_one_batch_match_contiguous_attention(
-    use_kernel: bool, heads: int, kv_heads: int, head_dim: int, block_size: int, window: int | None
+    use_kernel: bool,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    window: int | None,
+    kv_dtype: torch.dtype,
 ) -> None:
     """Decodes, short chunks at the end of a context (the kernel's, more than one tile of
     8 rows among them), a chunk longer than KERNEL_MAX_QUERY and a whole prompt, in one
-    batch: every row equals causal attention over the sequence's contiguous K/V."""
+    batch: every row equals causal attention over the sequence's contiguous K/V. A 16-bit
+    cache holds the new K/V rounded to its type, and attention reads exactly those."""
     if use_kernel and paged_attention_lib() is None:
         pytest.fail("the C kernel did not build: is a C compiler installed?")
     gen = torch.Generator().manual_seed(1)
@@ -85,6 +93,7 @@ def test_chunks_and_decodes_in_one_batch_match_contiguous_attention(
     shapes = [(5, 1), (3 * block_size, 1), (40, 2), (7, 7), (90, 9), (61, 16), (100, 17), (33, 33)]
     num_blocks = sum(-(c // -block_size) for c, _ in shapes) + 4
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    cache = cache.to(kv_dtype)
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     total = sum(n for _, n in shapes)
     q = torch.randn(total, heads, head_dim, generator=gen)
@@ -104,7 +113,10 @@ def test_chunks_and_decodes_in_one_batch_match_contiguous_attention(
     for (context, n), ids in zip(shapes, tables, strict=True):
         k = cache[0][ids].reshape(-1, kv_heads, head_dim)[:context]
         v = cache[1][ids].reshape(-1, kv_heads, head_dim)[:context]
-        assert torch.equal(k[context - n :], k_new[row : row + n])  # slots written
+        assert k.dtype == kv_dtype
+        assert torch.equal(k[context - n :], k_new[row : row + n].to(kv_dtype))  # written
+        assert torch.equal(v[context - n :], v_new[row : row + n].to(kv_dtype))
+        k, v = k.float(), v.float()
         expected.append(_reference_chunk(q[row : row + n], k, v, window))
         row += n
     torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)

@@ -98,6 +98,10 @@ def test_context_length_is_capped_by_the_kv_cache(model_folder: Path) -> None:
             r"kv_cache_memory_fraction must be in \(0, 1\], got 1.5",
         ),
         (
+            lambda: CacheConfig(kv_cache_dtype="int8"),
+            "kv_cache_dtype must be one of auto, float16, bfloat16, got 'int8'",
+        ),
+        (
             lambda: SchedulerConfig(max_num_seqs=0),
             "max_num_seqs must be at least 1, got 0",
         ),

@@ -162,13 +162,13 @@ class PagedAttention:
         q: torch.Tensor,  # [T, H, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], q's dtype or 16-bit
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H * D]
         hkv, d = self.num_kv_heads, self.head_dim
-        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+        k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         prefills = meta.prefills
         if self.use_kernel and q.device.type == "cpu" and q.dtype == torch.float32:
             # One call for the decodes and short chunks; it leaves the other rows unset.
@@ -201,8 +201,8 @@ class PagedAttention:
         b, hkv, d = q.shape[0], self.num_kv_heads, self.head_dim
         table = meta.decode_block_tables
         # [B, blocks, block_size, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_cache[table].view(b, -1, hkv, d).transpose(1, 2)
-        values = v_cache[table].view(b, -1, hkv, d).transpose(1, 2)
+        keys = k_cache[table].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
+        values = v_cache[table].view(b, -1, hkv, d).transpose(1, 2).to(q.dtype)
         # The query heads sharing a KV head become that head's rows: no K/V repeat.
         grouped = q.view(b, hkv, self.group, d)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=meta.decode_mask)
@@ -212,8 +212,8 @@ class PagedAttention:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
-        keys = k_cache[seq.block_ids].view(-1, hkv, d)[: seq.context_len]
-        values = v_cache[seq.block_ids].view(-1, hkv, d)[: seq.context_len]
+        keys = k_cache[seq.block_ids].view(-1, hkv, d)[: seq.context_len].to(q.dtype)
+        values = v_cache[seq.block_ids].view(-1, hkv, d)[: seq.context_len].to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),

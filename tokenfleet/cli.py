@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tokenfleet import envs
+from tokenfleet.config import KV_CACHE_DTYPES
 from tokenfleet.sim.cli import add_sim_command
 
 
@@ -44,6 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
@@ -166,6 +168,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     add("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: a fraction)")
     add("--kv-cache-memory-fraction", type=float, default=0.1, help="of free memory after loading")
+    add(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="K/V element type: auto (the model's) or 16 bits, twice the tokens a byte and "
+        "half the bytes read per token of context (default %(default)s)",
+    )
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     add("--max-num-seqs", type=int, default=64, help="sequences per step")

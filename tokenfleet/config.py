@@ -10,24 +10,36 @@ _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch")
 
 
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How much memory the paged KV cache gets, and how it is cut into blocks.
 
     `kv_cache_memory` (bytes) wins when set; otherwise the cache takes
     `kv_cache_memory_fraction` of the device memory still free after the weights load.
+    `kv_cache_dtype` "auto" stores K/V in the model's dtype; "float16" or "bfloat16" store
+    them in 16 bits (rounded when written): twice the tokens in the same memory, and half
+    the bytes to read per token of context, at a small cost in accuracy.
     """
 
     block_size: int = 16
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.1
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tqdm import tqdm
@@ -15,13 +15,9 @@ from tokenfleet.outputs import EngineCoreRequest, TokenLogprobs
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.tokenizer import Tokenizer
 
-_CACHE_FIELDS = {
-    "block_size",
-    "kv_cache_memory",
-    "kv_cache_memory_fraction",
-    "enable_prefix_caching",
-}
-_SCHEDULER_FIELDS = {"max_num_batched_tokens", "max_num_seqs"}
+# LLM(**kwargs) fills CacheConfig and SchedulerConfig from their own field names.
+_CACHE_FIELDS = {f.name for f in fields(CacheConfig)}
+_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
 
 
 @dataclass

@@ -60,7 +60,9 @@ class ModelRunner:
         self.model = load_model(model_folder, self.device, self.dtype, use_kernel=self.use_kernel)
         self.config: ModelConfig = self.model.config
         self.block_size = cache_config.block_size
-        bytes_per_block = self.config.kv_bytes_per_token(self.dtype.itemsize) * self.block_size
+        kv_dtype = cache_config.kv_cache_dtype
+        self.kv_dtype = self.dtype if kv_dtype == "auto" else DTYPES[kv_dtype]
+        bytes_per_block = self.config.kv_bytes_per_token(self.kv_dtype.itemsize) * self.block_size
         budget = cache_config.kv_cache_memory
         if budget is None:
             budget = int(free_device_memory(self.device) * cache_config.kv_cache_memory_fraction)
@@ -79,17 +81,18 @@ class ModelRunner:
         # Zeroed, not empty: padded decode rows read unwritten blocks under a mask, and
         # garbage NaNs there would leak through the softmax.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             for _ in range(self.config.num_layers)
         ]
         self.cos, self.sin = rope_cos_sin(self.config, max_model_len, self.device, self.dtype)
         self._seed_rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
             self.num_blocks,
             self.block_size,
             self.num_blocks * bytes_per_block / 2**20,
+            str(self.kv_dtype).removeprefix("torch."),
         )
 
     @property

@@ -24,6 +24,7 @@ from tokenfleet import envs
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
+_HEADER = _SOURCE.with_name("paged_attention_impl.h")  # included once per cache dtype
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -42,7 +43,10 @@ def _cpu_signature() -> str:
 
 def _build(compiler: str) -> Path:
     digest = hashlib.sha256(
-        _SOURCE.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()
+        _SOURCE.read_bytes()
+        + _HEADER.read_bytes()
+        + " ".join(_FLAGS).encode()
+        + _cpu_signature().encode()
     ).hexdigest()[:16]
     out_dir = envs.cache_dir() / "kernels"
     target = out_dir / f"paged_attention-{digest}.so"
@@ -62,6 +66,14 @@ def _build(compiler: str) -> Path:
     return target
 
 
+# The kernel for each KV cache element type (queries are float32 in all).
+_KERNELS = {
+    torch.float32: "paged_attention_f32",
+    torch.float16: "paged_attention_f16",
+    torch.bfloat16: "paged_attention_bf16",
+}
+
+
 @cache
 def paged_attention_lib() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (logged) when it cannot be built here."""
@@ -75,23 +87,24 @@ def paged_attention_lib() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or str(exc)
         logger.warning("paged attention kernel unavailable (%s): using torch", detail.strip())
         return None
-    fn = lib.paged_attention_f32
-    fn.restype = None
-    fn.argtypes = (
-        [ctypes.c_void_p] * 8
-        + [ctypes.c_int64] * 6
-        + [
-            ctypes.c_float,
-            ctypes.c_int64,
-            ctypes.c_int,
-        ]
-    )
+    for fn in _KERNELS.values():
+        fn = getattr(lib, fn)
+        fn.restype = None
+        fn.argtypes = (
+            [ctypes.c_void_p] * 8
+            + [ctypes.c_int64] * 6
+            + [
+                ctypes.c_float,
+                ctypes.c_int64,
+                ctypes.c_int,
+            ]
+        )
     return lib
 
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D] float32: each sequence's query rows, one after another
-    k_cache: torch.Tensor,  # [num_blocks, BS, HKV, D]
+    k_cache: torch.Tensor,  # [num_blocks, BS, HKV, D] float32, float16 or bfloat16
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks] int64
     context_lens: torch.Tensor,  # [B] int64: each sequence's context, its queries included
@@ -106,12 +119,13 @@ def paged_attention(
     assert lib is not None, "call only when paged_attention_lib() is available"
     q = q.contiguous()
     assert q.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in _KERNELS, k_cache.dtype
     for index in (block_tables, context_lens, query_starts, query_lens):
         assert index.dtype == torch.int64 and index.is_contiguous()
     _, h, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     out = torch.empty_like(q)
-    lib.paged_attention_f32(
+    getattr(lib, _KERNELS[k_cache.dtype])(
         q.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),

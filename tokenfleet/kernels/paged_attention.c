@@ -12,7 +12,9 @@
  * sees keys [0, L - n + i], causally, or the last `window` of them.
  *
  * q: [T, H, D], the rows of sequence b at query_starts[b] .. + query_lens[b] - 1;
- * k_cache, v_cache: [num_blocks, BS, HKV, D]; block_tables: [B, max_blocks];
+ * k_cache, v_cache: [num_blocks, BS, HKV, D] of float32 (paged_attention_f32), float16
+ * (_f16) or bfloat16 (_bf16): a 16-bit cache halves the bytes a long context costs to
+ * read, and holds twice the tokens; block_tables: [B, max_blocks];
  * context_lens: [B]; out: [T, H, D]. Query heads h*G .. h*G+G-1 share KV head h.
  * Threads come from the OpenMP runtime already loaded by torch (same soname), so the
  * kernel and torch's own ops share one thread pool.
@@ -26,26 +28,6 @@
 #endif
 
 #define TILE 8 /* query rows that share one pass over the context */
-
-/* q . k over D floats */
-static inline float dot(const float *q, const float *k, int64_t D) {
-#if defined(__AVX512F__)
-    if (D % 64 == 0) {
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d += 64) {
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 16), _mm512_loadu_ps(k + d + 16), a1);
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 32), _mm512_loadu_ps(k + d + 32), a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 48), _mm512_loadu_ps(k + d + 48), a3);
-        }
-        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    }
-#endif
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; d++) s += q[d] * k[d];
-    return s;
-}
 
 #if defined(__AVX512F__)
 /* Two vectors' lanes summed pairwise into one: a's partial sums in the low half, b's in
@@ -64,174 +46,70 @@ static inline __m512 fold_pairs(__m512 a, __m512 b) {
                          _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* q . k_j for the 16 key rows of a block (row stride `row`), as one vector: each key's
- * dot product is summed across lanes by a transposing fold (15 adds for 16 keys) instead
- * of a horizontal reduction per key. Needs D % 16 == 0. */
-static inline __m512 block_scores16(const float *q, const float *k, int64_t row, int64_t D) {
-    __m512 part[16];
-    if (D == 64) { /* the common head size, unrolled: four independent chains per key */
-        const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
-        const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
-        for (int j = 0; j < 16; j++) {
-            const float *kj = k + j * row;
-            const __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kj));
-            const __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(kj + 16));
-            const __m512 c = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kj + 32), a);
-            const __m512 e = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kj + 48), b);
-            part[j] = _mm512_add_ps(c, e);
+#endif
+
+
+#define KV float
+#define KV_GET(p) (*(p))
+#define KV_LOAD16(p) _mm512_loadu_ps(p)
+#define NAME(f) f##_f32
+#define KERNEL paged_attention_f32
+#include "paged_attention_impl.h"
+#undef KV
+#undef KV_GET
+#undef KV_LOAD16
+#undef NAME
+#undef KERNEL
+
+static inline float f16_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13); /* inf, nan */
+    } else if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            uint32_t m = man;
+            do {
+                e++;
+                m <<= 1;
+            } while (!(m & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
         }
     } else {
-        for (int j = 0; j < 16; j++) {
-            const float *kj = k + j * row;
-            __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(kj));
-            __m512 b = _mm512_setzero_ps();
-            for (int64_t d = 16; d < D; d += 32) {
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(kj + d), a);
-                if (d + 16 < D)
-                    b = _mm512_fmadd_ps(_mm512_loadu_ps(q + d + 16), _mm512_loadu_ps(kj + d + 16), b);
-            }
-            part[j] = _mm512_add_ps(a, b);
-        }
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
     }
-    __m512 w[8], x[4];
-    for (int k2 = 0; k2 < 8; k2++) w[k2] = fold_halves(part[2 * k2], part[2 * k2 + 1]);
-    for (int k4 = 0; k4 < 4; k4++) x[k4] = fold_quarters(w[2 * k4], w[2 * k4 + 1]);
-    /* x[t] quarter c: key 4t + c. After two pair folds, lane 4c + t holds key c + 4t. */
-    const __m512 z = fold_pairs(fold_pairs(x[0], x[1]), fold_pairs(x[2], x[3]));
-    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    return _mm512_permutexvar_ps(order, z);
-}
-#endif
-
-/* acc += sum_j p[j] * v[j * row .. + D] for j in [j0, j1) */
-static inline void weighted_sum(float *acc, const float *p, const float *v, int64_t j0,
-                                int64_t j1, int64_t row, int64_t D) {
-#if defined(__AVX512F__)
-    if (D % 64 == 0) {
-        for (int64_t d = 0; d < D; d += 64) {
-            __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16);
-            __m512 a2 = _mm512_loadu_ps(acc + d + 32), a3 = _mm512_loadu_ps(acc + d + 48);
-            for (int64_t j = j0; j < j1; j++) {
-                const __m512 pj = _mm512_set1_ps(p[j]);
-                const float *vj = v + j * row + d;
-                a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj), a0);
-                a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 16), a1);
-                a2 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 32), a2);
-                a3 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vj + 48), a3);
-            }
-            _mm512_storeu_ps(acc + d, a0);
-            _mm512_storeu_ps(acc + d + 16, a1);
-            _mm512_storeu_ps(acc + d + 32, a2);
-            _mm512_storeu_ps(acc + d + 48, a3);
-        }
-        return;
-    }
-#endif
-    for (int64_t j = j0; j < j1; j++) {
-        const float pj = p[j];
-        const float *vj = v + j * row;
-#pragma omp simd
-        for (int64_t d = 0; d < D; d++) acc[d] += pj * vj[d];
-    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
-void paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                         const int64_t *block_tables, const int64_t *context_lens,
-                         const int64_t *query_starts, const int64_t *query_lens, float *out,
-                         int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t BS,
-                         int64_t max_blocks, float scale, int64_t window, int num_threads) {
-    const int64_t G = H / HKV;
-    const int64_t row = HKV * D; /* stride between tokens inside a block */
-    int64_t max_tiles = 1;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t tiles = (query_lens[b] + TILE - 1) / TILE;
-        max_tiles = tiles > max_tiles ? tiles : max_tiles;
-    }
-#pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t tile = 0; tile < max_tiles; tile++) {
-            for (int64_t h = 0; h < HKV; h++) {
-                const int64_t n = query_lens[b], first = tile * TILE;
-                if (first >= n) continue;
-                const int64_t nq = n - first < TILE ? n - first : TILE;
-                const int64_t ctx = context_lens[b];
-                const int64_t *table = block_tables + b * max_blocks;
-                /* per (row, head of the group): keys [lo, hi), running max, sum, output */
-                int64_t lo[TILE], hi[TILE];
-                float acc[TILE * G * D], m[TILE * G], l[TILE * G], s[BS];
-                for (int64_t i = 0; i < nq; i++) {
-                    hi[i] = ctx - n + first + i + 1;
-                    lo[i] = (window > 0 && hi[i] > window) ? hi[i] - window : 0;
-                }
-                for (int64_t p = 0; p < nq * G; p++) {
-                    m[p] = -FLT_MAX; /* finite: built with -ffast-math */
-                    l[p] = 0.0f;
-                }
-                memset(acc, 0, sizeof(float) * nq * G * D);
-                for (int64_t t0 = (lo[0] / BS) * BS; t0 < hi[nq - 1]; t0 += BS) {
-                    const int64_t blk = table[t0 / BS];
-                    const float *kb = k_cache + (blk * BS * HKV + h) * D;
-                    const float *vb = v_cache + (blk * BS * HKV + h) * D;
-                    if (t0 + BS < hi[nq - 1]) { /* the next block's rows, while this one computes */
-                        const int64_t next = (table[t0 / BS + 1] * BS * HKV + h) * D;
-                        for (int64_t j = 0; j < BS; j++) {
-                            for (int64_t d = 0; d < D; d += 16) {
-                                __builtin_prefetch(k_cache + next + j * row + d);
-                                __builtin_prefetch(v_cache + next + j * row + d);
-                            }
-                        }
-                    }
-                    for (int64_t i = 0; i < nq; i++) {
-                        const int64_t j0 = lo[i] > t0 ? lo[i] - t0 : 0;
-                        const int64_t j1 = hi[i] - t0 < BS ? hi[i] - t0 : BS;
-                        if (j0 >= j1) continue;
-                        for (int64_t g = 0; g < G; g++) {
-                            const int64_t p = i * G + g;
-                            const float *qg = q + ((query_starts[b] + first + i) * H + h * G + g) * D;
-                            float block_max = -FLT_MAX;
-#if defined(__AVX512F__)
-                            if (BS == 16 && D % 16 == 0) {
-                                const __mmask16 valid = (__mmask16)(((1u << j1) - 1) & ~((1u << j0) - 1));
-                                const __m512 sc = _mm512_mul_ps(block_scores16(qg, kb, row, D),
-                                                                _mm512_set1_ps(scale));
-                                _mm512_storeu_ps(s, sc);
-                                block_max = _mm512_mask_reduce_max_ps(valid, sc);
-                            } else
-#endif
-                            for (int64_t j = j0; j < j1; j++) {
-                                s[j] = dot(qg, kb + j * row, D) * scale;
-                                block_max = s[j] > block_max ? s[j] : block_max;
-                            }
-                            const float new_max = m[p] > block_max ? m[p] : block_max;
-                            float block_sum = 0.0f;
-                            /* separate loop so that expf vectorizes (glibc libmvec) */
-#pragma omp simd reduction(+ : block_sum)
-                            for (int64_t j = j0; j < j1; j++) {
-                                s[j] = expf(s[j] - new_max);
-                                block_sum += s[j];
-                            }
-                            float *ap = acc + p * D;
-                            if (new_max != m[p]) {
-                                const float correction = expf(m[p] - new_max);
-                                l[p] *= correction;
-#pragma omp simd
-                                for (int64_t d = 0; d < D; d++) ap[d] *= correction;
-                                m[p] = new_max;
-                            }
-                            l[p] += block_sum;
-                            weighted_sum(ap, s, vb, j0, j1, row, D);
-                        }
-                    }
-                }
-                for (int64_t i = 0; i < nq; i++) {
-                    for (int64_t g = 0; g < G; g++) {
-                        const int64_t p = i * G + g;
-                        float *o = out + ((query_starts[b] + first + i) * H + h * G + g) * D;
-                        const float inv = 1.0f / l[p];
-                        for (int64_t d = 0; d < D; d++) o[d] = acc[p * D + d] * inv;
-                    }
-                }
-            }
-        }
-    }
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
+
+#define KV uint16_t
+#define KV_GET(p) f16_to_float(*(p))
+#define KV_LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define NAME(f) f##_f16
+#define KERNEL paged_attention_f16
+#include "paged_attention_impl.h"
+#undef KV
+#undef KV_GET
+#undef KV_LOAD16
+#undef NAME
+#undef KERNEL
+
+#define KV uint16_t
+#define KV_GET(p) bf16_to_float(*(p))
+#define KV_LOAD16(p)                                                                          \
+    _mm512_castsi512_ps(                                                                   \
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define NAME(f) f##_bf16
+#define KERNEL paged_attention_bf16
+#include "paged_attention_impl.h"
