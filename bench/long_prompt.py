@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--tpot-target", type=float, help="seconds (default: the calibration's)")
     add("--configs", default="priority,fcfs", help="priority, fcfs, or both")
     add("--floors", default="", help="more priority runs at these --min-prefill-chunk values")
+    add("--kv-dtypes", default="", help="more priority runs at these --kv-cache-dtype values")
     add("--streams", type=int, default=3)
     add("--warm-up", type=float, default=5.0, help="seconds of streams before the long prompt")
     add("--max-model-len", type=int, default=8192)
@@ -62,12 +63,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     runs: list[tuple[str, str, list[str]]] = []  # (name, policy, extra serve arguments)
-    for config in args.configs.split(","):
+    for config in filter(None, args.configs.split(",")):
         if config not in ("priority", "fcfs"):
             parser.error(f"unknown configuration {config!r}")
         runs.append((config, config, []))
     for floor in filter(None, args.floors.split(",")):
         runs.append((f"priority, floor {floor}", "priority", ["--min-prefill-chunk", floor]))
+    for dtype in filter(None, args.kv_dtypes.split(",")):
+        runs.append((f"priority, {dtype} KV", "priority", ["--kv-cache-dtype", dtype]))
     args.runs = runs
     return args
 
