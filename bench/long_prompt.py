@@ -56,6 +56,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--floors", default="", help="more priority runs at these --min-prefill-chunk values")
     add("--kv-dtypes", default="", help="more priority runs at these --kv-cache-dtype values")
     add("--streams", type=int, default=3)
+    add(
+        "--stream-tokens",
+        type=int,
+        default=0,
+        help="each stream's output tokens, a new stream taking its place when it ends "
+        "(0, the default: streams long enough to outlast the long prompt)",
+    )
     add("--warm-up", type=float, default=5.0, help="seconds of streams before the long prompt")
     add("--max-model-len", type=int, default=8192)
     add("--num-threads", type=int, default=1)
@@ -116,24 +123,24 @@ async def measure(
         def clock() -> float:
             return time.perf_counter() - t0
 
-        # Outputs to outlast the long prompt's prefill, within the context.
-        num_out = args.max_model_len - 100
-        specs = [RequestSpec(f"s{i}", "interactive", 0, 16, num_out) for i in range(args.streams)]
-        streams = [RequestRecord.of(spec) for spec in specs]
-        tasks = [
-            asyncio.create_task(
-                stream_request(
-                    http,
-                    endpoint,
-                    spec,
-                    f"Count slowly, stream {spec.req_id}:",
-                    record,
-                    clock,
-                    timeout_s=args.timeout + 60,
+        # Outputs to outlast the long prompt's prefill, within the context; or streams of
+        # --stream-tokens, each replaced by a new one when it ends.
+        num_out = args.stream_tokens or args.max_model_len - 100
+        streams: list[RequestRecord] = []
+
+        async def slot(i: int) -> None:
+            for n in itertools.count():
+                spec = RequestSpec(f"s{i}-{n}", "interactive", 0, 16, num_out)
+                record = RequestRecord.of(spec)
+                streams.append(record)
+                prompt = f"Count slowly, stream {spec.req_id}:"
+                await stream_request(
+                    http, endpoint, spec, prompt, record, clock, timeout_s=args.timeout + 60
                 )
-            )
-            for spec, record in zip(specs, streams, strict=True)
-        ]
+                if not args.stream_tokens:
+                    return
+
+        tasks = [asyncio.create_task(slot(i)) for i in range(args.streams)]
         await asyncio.sleep(args.warm_up)
         long_spec = RequestSpec("long", "interactive", 0, prompt_tokens, 1)
         long = RequestRecord.of(long_spec)
@@ -145,7 +152,7 @@ async def measure(
     if long.status != "ok" or long.sent_s is None or not long.token_times_s:
         raise RuntimeError(f"the long prompt failed: {long.status} {long.error}")
     for record in streams:
-        if record.status in ("refused", "errored") or len(record.token_times_s) < 2:
+        if record.status in ("refused", "errored"):
             raise RuntimeError(f"stream {record.req_id} failed: {record.status} {record.error}")
     sent, first = long.sent_s, long.token_times_s[0]
     before: list[float] = []
@@ -167,6 +174,7 @@ async def measure(
         "gap_during_p99_s": percentile(during, 99),
         "num_gaps_during": len(during),
         "gaps_during_s": during,
+        "num_streams": len(streams),
         "stream_token_times_s": [r.token_times_s for r in streams],
         "long_sent_s": sent,
     }
