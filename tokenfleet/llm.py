@@ -15,9 +15,11 @@ from tokenfleet.outputs import EngineCoreRequest, TokenLogprobs
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.tokenizer import Tokenizer
 
-# LLM(**kwargs) fills CacheConfig and SchedulerConfig from their own field names.
-_CACHE_FIELDS = {f.name for f in fields(CacheConfig)}
-_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
+# LLM(**kwargs) fills CacheConfig and SchedulerConfig from their own field names, except
+# those EngineConfig has too (max_model_len: the engine's, which it passes down).
+_ENGINE_FIELDS = {f.name for f in fields(EngineConfig)}
+_CACHE_FIELDS = {f.name for f in fields(CacheConfig)} - _ENGINE_FIELDS
+_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)} - _ENGINE_FIELDS
 
 
 @dataclass
