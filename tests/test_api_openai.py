@@ -48,8 +48,11 @@ def server(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def spare_server(
     model_folder: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LiveServer]:
-    """A server of its own for a fresh prefix cache and for killing its engine."""
-    with live_server(tmp_path_factory.mktemp("openai-spare"), model_folder=model_folder) as s:
+    """A server of its own for a fresh prefix cache and for killing its engine. Its tests
+    are not about admission: a generous TTFT target, so that a start-up profile timed on a
+    busy machine (prefill priced 3x slow in one CI run) cannot refuse their prompts."""
+    folder = tmp_path_factory.mktemp("openai-spare")
+    with live_server(folder, "--ttft-target", "60", model_folder=model_folder) as s:
         yield s
 
 
@@ -431,8 +434,11 @@ def test_chat_logprobs_match_the_engine(server: LiveServer, ref: Reference) -> N
         ]
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected.text
         assert [t.token for t in streamed] == [t.token for t in content]
+        # The same prompt again hits the prefix cache: its tail runs as a short chunk in
+        # the C kernel, which sums in another order than the first request's whole-prompt
+        # path (float32 differences of ~1e-6), so the tolerance of the engine comparisons.
         assert [t.logprob for t in streamed] == pytest.approx(
-            [t.logprob for t in content], abs=1e-6
+            [t.logprob for t in content], abs=1e-4
         )
         assert all(len(t.top_logprobs) == 3 for t in streamed)
 
@@ -530,7 +536,7 @@ def test_completions_logprobs(server: LiveServer, ref: Reference) -> None:
             text_offset += part.text_offset or []
         assert "".join(c.choices[0].text for c in chunks) == expected.text
         assert tokens == lp.tokens and text_offset == lp.text_offset
-        assert token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-6)
+        assert token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-4)  # as above
         if stop:
             assert any(c.choices[0].text == "" and c.choices[0].logprobs.tokens for c in chunks)
 
