@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tokenfleet.harvest import pack, target_reachable, with_floor
-from tokenfleet.step_model import TERMS, StepFeatures
+from tokenfleet.step_model import TERMS, LinearStepCost, StepFeatures
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,16 +55,6 @@ def step_seconds(coefficients: Mapping[str, float], features: StepFeatures) -> f
     return sum(coefficients.get(term, 0.0) * v for term, v in values)
 
 
-@dataclass(frozen=True, slots=True)
-class _Priced:
-    """The coefficients as a StepCost (harvest.py)."""
-
-    coefficients: Mapping[str, float]
-
-    def predict(self, features: StepFeatures) -> float:
-        return step_seconds(self.coefficients, features)
-
-
 def predict_ttft(
     coefficients: Mapping[str, float],
     max_num_batched_tokens: int,
@@ -91,9 +81,9 @@ def predict_ttft(
     num_i, kv_i = interactive.num_seqs, interactive.num_kv_tokens
     num_b, kv_b = batch.num_seqs, batch.num_kv_tokens
     total = 0.0
-    priced = _Priced(coefficients)
+    priced = LinearStepCost.from_dict(dict(coefficients))
     # As the engine asks it: of its start-up profile's fit (`profile`) when there is one.
-    reference = _Priced(profile) if profile else priced
+    reference = LinearStepCost.from_dict(dict(profile)) if profile else priced
     reachable = limit is not None and target_reachable(reference, limit.target_seconds)
     while True:
         # max(.., 1): with more decodes than budget the engine would stall prefill; never
