@@ -69,6 +69,19 @@ def test_prompts_ahead_are_prefilled_first_and_then_ride_along_as_decodes() -> N
     assert predict_ttft(COEF, 512, 100, [300, 400]) == step1 + step2
 
 
+def test_a_long_prompt_ahead_is_cut_to_the_long_prefill_cap_while_others_wait() -> None:
+    # As the scheduler does (long_prefill_token_threshold): the 8,000-token prompt takes
+    # 128 tokens, the new one its 100, and what is left (284) goes back to the long one.
+    capped = predict_ttft(COEF, 512, 100, [8000], long_prefill_cap=128)
+    assert capped == A + _prefill(412, 0) + _prefill(100, 0)
+    # Without the cap the new prompt waits for the whole long one (16 steps in all).
+    assert predict_ttft(COEF, 512, 100, [8000]) > 15 * A + capped
+    # A cap over what the step leaves changes nothing.
+    assert predict_ttft(COEF, 512, 100, [300, 400], long_prefill_cap=512) == predict_ttft(
+        COEF, 512, 100, [300, 400]
+    )
+
+
 def test_running_decodes_take_budget_first_and_batch_rides_in_what_is_left() -> None:
     interactive, batch = Decodes(3, 3000), Decodes(2, 1000)
     # Step 1: 3 interactive decodes leave 509 tokens for the 600-token prompt; nothing

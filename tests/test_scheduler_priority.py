@@ -98,6 +98,7 @@ def make_run(
     reserve_min_blocks: int = 0,
     reserve_margin: float = 1.0,
     reserve_window_s: float = 10.0,
+    long_prefill_threshold: int = 0,
 ) -> Run:
     kv = KVCacheManager(num_blocks, block_size, enable_caching=caching)
     config = SchedulerConfig(
@@ -108,6 +109,7 @@ def make_run(
         interactive_reserve_margin=reserve_margin,
         interactive_reserve_min_blocks=reserve_min_blocks,
         interactive_reserve_max_fraction=reserve_max_fraction,
+        long_prefill_token_threshold=long_prefill_threshold,
     )
     return Run(Scheduler(config, kv), FakeModelRunner(block_size))
 
@@ -134,14 +136,23 @@ def check_priority_schedule(
         priority[s.req_id] for s in out.scheduled
     )
     assert [r.priority for r in sched.running] == sorted(r.priority for r in sched.running)
-    # Running interactive requests come first and in order: each gets min(left, budget).
+    # Running interactive requests come first and in order: each gets min(left, budget),
+    # but a prompt with interactive requests waiting gets at least min(left, threshold,
+    # budget), and more only what the waiting ones left of the step's budget.
     preempted = [sched.requests[req_id] for req_id in out.preempted_req_ids]
     budget = config.max_num_batched_tokens
+    threshold = config.long_prefill_token_threshold
+    cut = bool(threshold) and any(r.priority == INTERACTIVE for r in before.waiting)
     for request, left in before.running:
         if request.priority != INTERACTIVE or request in preempted:
             continue
-        assert counts.get(request.req_id, 0) == min(left, budget)
-        budget -= min(left, budget)
+        got = counts.get(request.req_id, 0)
+        if cut and left > 1 and min(left, budget) > threshold:
+            assert threshold <= got <= min(left, budget)
+            budget -= threshold
+        else:
+            assert got == min(left, budget)
+            budget -= got
     # Admission: from the front of the queue (the most urgent class first), never a class
     # that lost a request to preemption in this step.
     running_ids = {r.req_id for r, _ in before.running}
@@ -250,6 +261,45 @@ def test_fcfs_within_a_class() -> None:
     assert [r.req_id for r in run.scheduler.waiting] == ["i1", "i2", "b1", "b2"]
     run.run()
     assert scheduled_counts(run) == [{"i1": 2}, {"i2": 2}, {"b1": 2}, {"b2": 2}]
+
+
+def test_long_interactive_prompt_leaves_room_for_waiting_ones_then_takes_the_rest() -> None:
+    """Head-of-line blocking: a running 40-token prompt takes at most the threshold (4)
+    while interactive requests wait; they get the rest of the 10-token budget, and what
+    they leave goes back to the long prompt in the same step. Without waiting ones, or
+    with only batch waiting, it takes the whole budget."""
+    run = make_run(num_blocks=64, budget=10, long_prefill_threshold=4)
+    run.add("long", list(range(40)), INTERACTIVE, max_tokens=2)
+    run.step()
+    run.add("s1", [1, 2, 3], INTERACTIVE, max_tokens=2)
+    run.add("s2", [4, 5], INTERACTIVE, max_tokens=2)
+    run.add("b", [6, 7, 8, 9], BATCH, max_tokens=1)
+    run.run()
+    assert scheduled_counts(run)[:6] == [
+        {"long": 10},
+        {"long": 5, "s1": 3, "s2": 2},  # 4 first, then the 1 that s1 and s2 left
+        {"long": 10},  # only batch waits: no cut (running order: the prompt first)
+        {"long": 10},
+        {"long": 5, "s1": 1, "s2": 1, "b": 3},
+        {"long": 1, "b": 1},  # s1 and s2 had their 2 tokens
+    ]
+    assert run.tokens["long"] == reference_generate(list(range(40)), 2)
+    assert run.tokens["s1"] == reference_generate([1, 2, 3], 2)
+
+
+def test_long_prefill_threshold_zero_is_off_and_negative_is_refused() -> None:
+    run = make_run(num_blocks=64, budget=10, long_prefill_threshold=0)
+    run.add("long", list(range(40)), INTERACTIVE, max_tokens=1)
+    run.step()
+    run.add("s", [1, 2, 3], INTERACTIVE, max_tokens=1)
+    run.step()
+    assert scheduled_counts(run) == [{"long": 10}, {"long": 10}]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be at least 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+    # Plain fcfs (the comparison policy, vLLM's default) runs without the cut.
+    config = SchedulerConfig(long_prefill_token_threshold=64)
+    assert config.under("priority") is config
+    assert config.under("fcfs").long_prefill_token_threshold == 0
 
 
 # -- the harvest budget ----------------------------------------------------------------
@@ -676,6 +726,7 @@ def workloads(draw: st.DrawFn) -> Workload:
         "reserve_min_blocks": draw(st.integers(0, 3)),
         "reserve_margin": draw(st.sampled_from([0.5, 1.0, 2.0])),
         "reserve_window_s": 3.0,
+        "long_prefill_threshold": draw(st.sampled_from([0, 1, 3])),
     }
     budgets = st.lists(st.one_of(st.none(), st.integers(1, 8)), min_size=1, max_size=8)
     return Workload(settings, requests, draw(budgets))

@@ -65,9 +65,12 @@ def predict_ttft(
     limit: StepLimit | None = None,
     batch_in_flight: bool | None = None,
     profile: Mapping[str, float] | None = None,
+    long_prefill_cap: int = 0,
 ) -> float:
     """Seconds until a new interactive prompt of `num_prompt_tokens` is prefilled, behind
     the interactive `prompts_ahead` (oldest first) and with the given running decodes.
+    With `long_prefill_cap` (the scheduler's long_prefill_token_threshold), the oldest
+    prompt takes at most that many tokens a step while others wait, and what they leave.
 
     A prompt ahead whose prefill ends joins the interactive decodes from the next step on,
     and every decode's context grows by a token a step. Prefix-cache hits are not known
@@ -76,8 +79,9 @@ def predict_ttft(
     (`batch_in_flight`, by default: batch decodes running) takes at least the limit."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
-    prefills = deque([*prompts_ahead, num_prompt_tokens])
-    pos = 0  # tokens of prefills[0] already scheduled
+    # [tokens scheduled, prompt length] of each prompt still to prefill, oldest first.
+    prefills = deque([0, n] for n in (*prompts_ahead, num_prompt_tokens))
+    mine = prefills[-1]
     num_i, kv_i = interactive.num_seqs, interactive.num_kv_tokens
     num_b, kv_b = batch.num_seqs, batch.num_kv_tokens
     total = 0.0
@@ -91,7 +95,7 @@ def predict_ttft(
         budget = max(max_num_batched_tokens - num_i, 1)
         step = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i)
         if limit is not None and num_i and reachable:
-            chunks = [(pos, prefills[0] - pos), *((0, n) for n in list(prefills)[1:])]
+            chunks = [(done, n - done) for done, n in prefills]
             fits = pack(priced, step, chunks, limit.seconds, budget)
             budget = min(
                 budget,
@@ -105,19 +109,15 @@ def predict_ttft(
                     budget,
                 ),
             )
+        planned, budget = _plan_prompts(prefills, budget, long_prefill_cap)
+        step += StepFeatures.of_chunks([(num_new, prompt[0]) for prompt, num_new in planned])
         joined, joined_kv = 0, 0
-        chunks = []
-        while budget and prefills:
-            num_new = min(prefills[0] - pos, budget)
-            chunks.append((num_new, pos))
-            budget -= num_new
-            pos += num_new
-            if pos == prefills[0]:
-                # Its first token is sampled now; next step it decodes at position `pos`.
-                joined, joined_kv = joined + 1, joined_kv + pos + 1
-                prefills.popleft()
-                pos = 0
-        step += StepFeatures.of_chunks(chunks)
+        for prompt, num_new in planned:
+            prompt[0] += num_new
+            if prompt[0] == prompt[1]:
+                # Its first token is sampled now; next step it decodes at its length.
+                joined, joined_kv = joined + 1, joined_kv + prompt[1] + 1
+        prefills = deque(p for p in prefills if p[0] < p[1])
         riding = min(num_b, budget) if limit is None else 0
         if riding:
             step += StepFeatures(decode_seqs=riding, kv_tokens_read=kv_b * riding // num_b)
@@ -125,11 +125,34 @@ def predict_ttft(
         if limit is not None and (num_b > 0 if batch_in_flight is None else batch_in_flight):
             seconds = max(seconds, limit.seconds)  # batch fills the step up to the limit
         total += seconds
-        if not prefills:
+        if mine[0] == mine[1]:
             return total
         kv_i += num_i + joined_kv
         num_i += joined
         kv_b += riding
+
+
+def _plan_prompts(
+    prefills: Sequence[list[int]], budget: int, cap: int
+) -> tuple[list[tuple[list[int], int]], int]:
+    """(prompt, tokens) of a step's prompt chunks, FCFS within `budget`, and the budget
+    left. With a `cap` and others waiting, the oldest takes at most `cap` tokens first and
+    then what the others leave (Scheduler._top_up)."""
+    planned: list[tuple[list[int], int]] = []
+    capped = bool(cap) and len(prefills) > 1
+    for i, prompt in enumerate(prefills):
+        if not budget:
+            break
+        want = prompt[1] - prompt[0]
+        num_new = min(want, budget, cap if capped and i == 0 else want)
+        planned.append((prompt, num_new))
+        budget -= num_new
+    if capped and budget and planned:
+        first, given = planned[0]
+        more = min(first[1] - first[0] - given, budget)
+        planned[0] = (first, given + more)
+        budget -= more
+    return planned, budget
 
 
 @dataclass(slots=True)
@@ -242,13 +265,16 @@ class AdmissionControl:
         ttft_target_s: float,
         initial_prefill_tokens_per_s: float,
         limit: StepLimit | None = None,
+        long_prefill_cap: int = 0,
     ) -> None:
-        """`limit`: the engine's step limit under the priority policy (None for fcfs)."""
+        """`limit`: the engine's step limit under the priority policy (None for fcfs);
+        `long_prefill_cap`: its scheduler's long_prefill_token_threshold (0: none)."""
         if ttft_target_s <= 0 or initial_prefill_tokens_per_s <= 0:
             raise ValueError("the TTFT target and the initial prefill speed must be positive")
         self.ttft_target_s = ttft_target_s
         self.prefill_tokens_per_s = initial_prefill_tokens_per_s
         self.limit = limit
+        self.long_prefill_cap = long_prefill_cap
         self.requests = InFlightRequests()
 
     def predict(
@@ -272,6 +298,7 @@ class AdmissionControl:
             self.limit,
             has_batch,
             profile,
+            self.long_prefill_cap,
         )
         return seconds, "step_model"
 

@@ -48,7 +48,9 @@ def _serve(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
     )
     engine = EngineConfig(
         model=args.model or None,
@@ -178,6 +180,14 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--no-prefix-caching", action="store_true", help="disable prefix caching")
     add("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     add("--max-num-seqs", type=int, default=64, help="sequences per step")
+    add(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=128,
+        help="while interactive prompts wait, a running one takes at most this many tokens "
+        "a step before they are served, so that a long prompt does not hold short ones back "
+        "(0: off; off under fcfs) (default %(default)s)",
+    )
     add(
         "--batch-retention",
         type=float,

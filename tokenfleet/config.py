@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tokenfleet.reserve import check_reserve_settings
 
@@ -54,11 +54,17 @@ class SchedulerConfig:
     peak interactive blocks over the last `interactive_reserve_window_s` seconds times
     `interactive_reserve_margin` free, clamped to [`interactive_reserve_min_blocks`,
     `interactive_reserve_max_fraction` of the cache]. A max fraction of 0 turns it off.
+
+    `long_prefill_token_threshold`: while interactive requests wait, a running interactive
+    prompt takes at most this many tokens a step, so that a long prompt does not hold the
+    short ones behind it for its whole prefill (head-of-line blocking); what the waiting
+    ones leave goes back to it in the same step. 0 turns it off (under fcfs it is off).
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int = 8192
+    long_prefill_token_threshold: int = 128
     interactive_reserve_window_s: float = 30.0
     interactive_reserve_margin: float = 1.2
     interactive_reserve_min_blocks: int = 0
@@ -68,6 +74,11 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be at least 0, got "
+                f"{self.long_prefill_token_threshold}"
+            )
         check_reserve_settings(
             window_s=self.interactive_reserve_window_s,
             margin=self.interactive_reserve_margin,
@@ -75,6 +86,13 @@ class SchedulerConfig:
             max_fraction=self.interactive_reserve_max_fraction,
             prefix="interactive_reserve_",
         )
+
+    def under(self, scheduling_policy: str) -> SchedulerConfig:
+        """This config as a replica under `scheduling_policy` runs it: plain fcfs, as vLLM
+        by default, cuts no long prompt for short ones."""
+        if scheduling_policy == "fcfs":
+            return replace(self, long_prefill_token_threshold=0)
+        return self
 
 
 @dataclass(frozen=True)

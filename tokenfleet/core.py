@@ -80,8 +80,9 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.runner.num_blocks, block_size, enable_caching=config.cache.enable_prefix_caching
         )
+        scheduler_config = config.scheduler.under(config.scheduling_policy)
         self.scheduler = Scheduler(
-            replace(config.scheduler, max_model_len=self.max_model_len), self.kv
+            replace(scheduler_config, max_model_len=self.max_model_len), self.kv
         )
         self.eos_token_id = (
             self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None

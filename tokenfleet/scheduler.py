@@ -13,7 +13,9 @@ interactive reserve free (`reserve.py`); a batch request held back by the reserv
 waits with its blocks. Interactive prompts still being prefilled share the step's
 `prefill_token_budget`, when one is given: the engine sets it while interactive streams
 decode, so that a long prompt arriving among them is cut into chunks that keep their
-steps within the TPOT target (harvest.prefill_budget).
+steps within the TPOT target (harvest.prefill_budget). While interactive requests wait,
+a running interactive prompt takes at most `long_prefill_token_threshold` tokens until
+they are served, then what they left: a long prompt does not hold short ones back.
 
 When blocks or sequence slots run out, the victim is the least urgent class first, the
 newest within it, and never more urgent than the request that needs the room: a waiting
@@ -68,7 +70,8 @@ class _StepPlan:
         return min(self.budget, self.batch_budget)
 
     def give(self, request: Request, num_tokens: int, num_to_go: int) -> None:
-        self.num_scheduled[request.req_id] = num_tokens
+        """Hand `num_tokens` more to `request` (a capped prompt may be given twice)."""
+        self.num_scheduled[request.req_id] = self.num_scheduled.get(request.req_id, 0) + num_tokens
         self.budget -= num_tokens
         if not request.is_interactive and self.batch_budget is not None:
             self.batch_budget -= num_tokens
@@ -159,11 +162,12 @@ class Scheduler:
             if ask is not None and priority > PRIORITY_INTERACTIVE:
                 plan.batch_budget = _checked_budget(ask(self._planned_chunks(plan)))
                 ask = None
-            self._schedule_running(plan, priority)
+            capped = self._schedule_running(plan, priority)
             # Not in a step that preempted one of this class: the blocks freed go to the
             # running requests first, and the preempted one must not come straight back.
             if all(r.priority != priority for r in plan.preempted):
                 self._schedule_waiting(plan, priority)
+            self._top_up(plan, capped)
         scheduled = self._commit(plan)
         self.reserve.observe(now, self._num_interactive_blocks())
         finished = frozenset(self._finished_req_ids)
@@ -179,7 +183,11 @@ class Scheduler:
         """(num_tokens, start_pos) of each request planned so far (not yet committed)."""
         return [(n, self.requests[i].num_computed_tokens) for i, n in plan.num_scheduled.items()]
 
-    def _schedule_running(self, plan: _StepPlan, priority: int) -> None:
+    def _schedule_running(self, plan: _StepPlan, priority: int) -> list[Request]:
+        """Plan the running requests of a class; return the prompts held to the long
+        prefill threshold (for _top_up)."""
+        cap = self._long_prefill_cap(priority)
+        capped = []
         for request in [r for r in self.running if r.priority == priority]:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted for one served before it in this loop
@@ -187,10 +195,35 @@ class Scheduler:
             num_new = min(num_to_go, plan.tokens_for(request, num_to_go))
             if num_new == 0:
                 if plan.budget == 0:
-                    return
+                    break
                 continue  # a capped prompt: the decodes after it still run
+            if cap is not None and num_new > cap:
+                num_new = cap
+                capped.append(request)
             if self._make_room_to_grow(plan, request, num_new):
                 plan.give(request, num_new, num_to_go)
+        return capped
+
+    def _long_prefill_cap(self, priority: int) -> int | None:
+        """The most tokens a running prompt of this class may take before the waiting
+        ones are served: the threshold while interactive requests wait, else no cap."""
+        threshold = self.config.long_prefill_token_threshold
+        if not threshold or priority != PRIORITY_INTERACTIVE or not self.waiting:
+            return None
+        return threshold if self.waiting.peek().priority == priority else None
+
+    def _top_up(self, plan: _StepPlan, capped: list[Request]) -> None:
+        """Give capped prompts what the waiting requests left of the step's budget, as far
+        as free blocks allow (no preemption for it: it is only a bigger chunk)."""
+        for request in capped:
+            given = plan.num_scheduled.get(request.req_id)
+            if request.status != RequestStatus.RUNNING or given is None:
+                continue
+            num_to_go = request.num_tokens - request.num_computed_tokens
+            more = min(num_to_go - given, plan.tokens_for(request, num_to_go))
+            if more > 0 and self._fits(request, given + more):
+                self.kv.allocate_slots(request, given + more)
+                plan.give(request, more, num_to_go)
 
     def _schedule_waiting(self, plan: _StepPlan, priority: int) -> None:
         # Only while the head of the whole queue is of this class: a request never gets

@@ -91,7 +91,7 @@ class SimReplica:
         self.kv = KVCacheManager(
             config.num_kv_blocks, config.block_size, enable_caching=config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.scheduler = Scheduler(config.scheduler.under(config.policy), self.kv)
         self.busy_until: float | None = None  # end of the step or leap in flight
         self._step: SchedulerOutput | None = None
         self._leap: _Leap | None = None
