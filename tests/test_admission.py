@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 from tokenfleet.admission import (
@@ -25,6 +27,7 @@ from tokenfleet.server.errors import APIError
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.service import GenerationService
 from tokenfleet.server.settings import ServeConfig
+from tokenfleet.step_model import StepFeatures
 from tokenfleet.tokenizer import Tokenizer
 
 # Powers of two, so that every sum below is exact in floating point.
@@ -223,6 +226,45 @@ def test_a_request_leaves_the_queue_at_its_first_token_or_when_aborted() -> None
 
 
 # -- the fallback ----------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    events=st.lists(
+        st.tuples(st.sampled_from(["add", "batch", "first", "remove"]), st.integers(1, 300)),
+        max_size=40,
+    ),
+    num_prompt_tokens=st.integers(1, 600),
+    limit=st.sampled_from([None, StepLimit(2.0**-4, 16, 2.0**-3)]),
+    cap=st.sampled_from([0, 128]),
+)
+def test_the_running_totals_predict_as_the_full_replay(
+    events: list[tuple[str, int]], num_prompt_tokens: int, limit: StepLimit | None, cap: int
+) -> None:
+    """AdmissionControl keeps totals as requests come and go, and prices a burst that fits
+    one step from them; whatever happened before, it predicts what predict_ttft does."""
+    admission = AdmissionControl(2.0, 1000.0, limit, cap)
+    requests = admission.requests
+    ids: list[str] = []
+    for i, (kind, n) in enumerate(events):
+        if kind in ("add", "batch"):
+            requests.add(f"r{i}", n, interactive=kind == "add", now=0.0)
+            ids.append(f"r{i}")
+        elif ids:
+            req_id = ids[n % len(ids)]
+            if kind == "first":
+                requests.first_token(req_id, 1.0)
+            else:
+                requests.remove(req_id)
+                ids.remove(req_id)
+    ahead, interactive, batch, has_batch = requests.snapshot()
+    expected = predict_ttft(
+        COEF, 512, num_prompt_tokens, ahead, interactive, batch, limit, has_batch, None, cap
+    )
+    assert admission.predict(num_prompt_tokens, COEF, 512) == (expected, "step_model")
+    # The totals are the sums over what is in flight.
+    assert requests.ahead_tokens == sum(ahead)
+    assert requests.ahead_features == StepFeatures.of_chunks((n, 0) for n in ahead)
 
 
 def test_before_coefficients_the_prefill_speed_ema_predicts() -> None:

@@ -173,10 +173,18 @@ class FirstToken:
 
 
 class InFlightRequests:
-    """Every request this gateway has sent to the engine and not yet seen end."""
+    """Every request this gateway has sent to the engine and not yet seen end, with running
+    totals kept as requests come, get their first token and go: admission reads them for
+    every interactive request, and a burst's k-th request must not walk the k - 1 before it."""
 
     def __init__(self) -> None:
         self._requests: dict[str, _InFlight] = {}  # in arrival order
+        self._ahead: dict[str, int] = {}  # interactive, no first token yet: prompt lengths
+        self.ahead_tokens = 0
+        self.ahead_features = StepFeatures()  # the ahead prompts, each a whole chunk
+        self._num = [0, 0]  # decoding requests: interactive, batch
+        self._kv = [0, 0]
+        self._num_batch = 0
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -192,6 +200,12 @@ class InFlightRequests:
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already in flight")
         self._requests[req_id] = _InFlight(num_prompt_tokens, interactive, now)
+        if interactive:
+            self._ahead[req_id] = num_prompt_tokens
+            self.ahead_tokens += num_prompt_tokens
+            self.ahead_features += StepFeatures.of_chunk(num_prompt_tokens, 0)
+        else:
+            self._num_batch += 1
 
     def first_token(self, req_id: str, now: float) -> FirstToken | None:
         """Mark the request as decoding; None if unknown or already past its first token."""
@@ -199,6 +213,10 @@ class InFlightRequests:
         if request is None or request.first_token_time is not None:
             return None
         request.first_token_time = now
+        self._leave_ahead(req_id)
+        i = 0 if request.interactive else 1
+        self._num[i] += 1
+        self._kv[i] += request.num_prompt_tokens + 1
         return FirstToken(
             now - request.arrival_time,
             request.num_prompt_tokens,
@@ -207,37 +225,48 @@ class InFlightRequests:
 
     def remove(self, req_id: str) -> None:
         """The request finished or was aborted (a no-op for one never added)."""
-        self._requests.pop(req_id, None)
+        request = self._requests.pop(req_id, None)
+        if request is None:
+            return
+        if not request.interactive:
+            self._num_batch -= 1
+        if request.first_token_time is None:
+            self._leave_ahead(req_id)
+        else:
+            i = 0 if request.interactive else 1
+            self._num[i] -= 1
+            self._kv[i] -= request.num_prompt_tokens + 1
+
+    def _leave_ahead(self, req_id: str) -> None:
+        n = self._ahead.pop(req_id, None)
+        if n is not None:
+            self.ahead_tokens -= n
+            self.ahead_features -= StepFeatures.of_chunk(n, 0)
 
     def prompts_ahead(self) -> list[int]:
         """Prompt lengths of interactive requests still waiting for their first token,
         oldest first: the prefill work a new interactive request queues behind."""
-        return self.snapshot()[0]
+        return list(self._ahead.values())
 
     def decodes(self, *, interactive: bool) -> Decodes:
         """The class's requests past their first token. Their context is counted as the
         prompt plus one token: the gateway does not track each one's outputs here."""
-        _, interactive_decodes, batch_decodes, _ = self.snapshot()
-        return interactive_decodes if interactive else batch_decodes
+        i = 0 if interactive else 1
+        return Decodes(self._num[i], self._kv[i])
+
+    @property
+    def has_batch(self) -> bool:
+        """Whether batch work is in flight."""
+        return self._num_batch > 0
 
     def snapshot(self) -> tuple[list[int], Decodes, Decodes, bool]:
-        """prompts_ahead(), decodes() of each class and whether batch work is in flight,
-        in one pass (it runs for every interactive request admitted)."""
-        ahead: list[int] = []
-        num = [0, 0]  # decoding requests: interactive, batch
-        kv = [0, 0]
-        has_batch = False
-        for r in self._requests.values():
-            if not r.interactive:
-                has_batch = True
-            if r.first_token_time is None:
-                if r.interactive:
-                    ahead.append(r.num_prompt_tokens)
-            else:
-                i = 0 if r.interactive else 1
-                num[i] += 1
-                kv[i] += r.num_prompt_tokens + 1
-        return ahead, Decodes(num[0], kv[0]), Decodes(num[1], kv[1]), has_batch
+        """prompts_ahead(), decodes() of each class and whether batch work is in flight."""
+        return (
+            self.prompts_ahead(),
+            self.decodes(interactive=True),
+            self.decodes(interactive=False),
+            self.has_batch,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,22 +314,53 @@ class AdmissionControl:
         profile: Mapping[str, float] | None = None,
     ) -> tuple[float, str]:
         """The predicted TTFT of a new interactive prompt, and which predictor gave it."""
-        ahead, interactive, batch, has_batch = self.requests.snapshot()
+        requests = self.requests
         if not any(v > 0 for v in coefficients.values()):
-            return (sum(ahead) + num_prompt_tokens) / self.prefill_tokens_per_s, "ema"
-        seconds = predict_ttft(
-            coefficients,
-            max_num_batched_tokens,
-            num_prompt_tokens,
-            ahead,
-            interactive,
-            batch,
-            self.limit,
-            has_batch,
-            profile,
-            self.long_prefill_cap,
-        )
+            ahead = requests.ahead_tokens + num_prompt_tokens
+            return ahead / self.prefill_tokens_per_s, "ema"
+        seconds = self._one_step(num_prompt_tokens, coefficients, max_num_batched_tokens)
+        if seconds is None:
+            ahead, interactive, batch, has_batch = requests.snapshot()
+            seconds = predict_ttft(
+                coefficients,
+                max_num_batched_tokens,
+                num_prompt_tokens,
+                ahead,
+                interactive,
+                batch,
+                self.limit,
+                has_batch,
+                profile,
+                self.long_prefill_cap,
+            )
         return seconds, "step_model"
+
+    def _one_step(
+        self, num_prompt_tokens: int, coefficients: Mapping[str, float], max_num_batched_tokens: int
+    ) -> float | None:
+        """predict_ttft where the prompts ahead and the new one all fit the next step, from
+        the running totals (a burst of short prompts: each one costs the same, however many
+        came before it); None where predict_ttft must replay more steps, or cut prompts to
+        the step limit beside interactive decodes."""
+        requests = self.requests
+        interactive = requests.decodes(interactive=True)
+        left = max(max_num_batched_tokens - interactive.num_seqs, 1)
+        left -= requests.ahead_tokens + num_prompt_tokens
+        if left < 0 or (self.limit is not None and interactive.num_seqs):
+            return None
+        step = StepFeatures(
+            decode_seqs=interactive.num_seqs, kv_tokens_read=interactive.num_kv_tokens
+        )
+        step += requests.ahead_features + StepFeatures.of_chunk(num_prompt_tokens, 0)
+        batch = requests.decodes(interactive=False)
+        riding = min(batch.num_seqs, left) if self.limit is None else 0
+        if riding:
+            kv = batch.num_kv_tokens * riding // batch.num_seqs
+            step += StepFeatures(decode_seqs=riding, kv_tokens_read=kv)
+        seconds = step_seconds(coefficients, step)
+        if self.limit is not None and requests.has_batch:
+            seconds = max(seconds, self.limit.seconds)  # batch fills the step up to the limit
+        return seconds
 
     def check(
         self,

@@ -73,6 +73,14 @@ class StepFeatures:
             self.prefill_attention + other.prefill_attention,
         )
 
+    def __sub__(self, other: StepFeatures) -> StepFeatures:
+        return StepFeatures(
+            self.prefill_tokens - other.prefill_tokens,
+            self.decode_seqs - other.decode_seqs,
+            self.kv_tokens_read - other.kv_tokens_read,
+            self.prefill_attention - other.prefill_attention,
+        )
+
     def values(self) -> tuple[int, ...]:
         """The values of TERMS, in order (1 for the intercept)."""
         return (
