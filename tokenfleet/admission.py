@@ -316,8 +316,8 @@ class AdmissionControl:
         """The predicted TTFT of a new interactive prompt, and which predictor gave it."""
         requests = self.requests
         if not any(v > 0 for v in coefficients.values()):
-            ahead = requests.ahead_tokens + num_prompt_tokens
-            return ahead / self.prefill_tokens_per_s, "ema"
+            tokens = requests.ahead_tokens + num_prompt_tokens
+            return tokens / self.prefill_tokens_per_s, "ema"
         seconds = self._one_step(num_prompt_tokens, coefficients, max_num_batched_tokens)
         if seconds is None:
             ahead, interactive, batch, has_batch = requests.snapshot()
