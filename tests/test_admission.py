@@ -123,11 +123,18 @@ def test_streams_over_the_limit_get_the_floor_and_an_unreachable_target_no_cut()
     uncut = StepLimit(2.0**-9, 16, 2.0**-8)
     assert predict_ttft(COEF, 512, 40, (), decodes, limit=uncut) == decode_step + _prefill(40, 0)
     # Unless the engine's start-up profile says one decode meets it (the engine asks its
-    # profile, harvest.target_reachable): then one token a step, priced by COEF.
+    # profile, harvest.target_reachable): then the decodes alone break the target and the
+    # prompt may add the margin's worth (2^-9 s) to each step, priced by COEF: 7 tokens,
+    # then fewer as its context grows (harvest.with_floor).
     profile = {**COEF, "intercept": 2.0**-10}
-    crawl = [decode_step + 3 * i * D + C + (i + 1) * D for i in range(40)]
+    chunks = [7, 6, 6, 5, 5, 5, 4, 2]
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    for n, start in zip(chunks[:-1], starts, strict=False):
+        assert _prefill(n, start) <= 2.0**-9 < _prefill(n + 1, start)
+    pairs = enumerate(zip(chunks, starts, strict=True))
+    steps = [decode_step + 3 * i * D + _prefill(n, s) for i, (n, s) in pairs]
     given = predict_ttft(COEF, 512, 40, (), decodes, limit=uncut, profile=profile)
-    assert given == pytest.approx(sum(crawl))
+    assert given == pytest.approx(sum(steps))
     # Streams over the limit but within the target: the floor, 16 tokens a step.
     floored = StepLimit(2.0**-6, 16, 2.0**-3)
     assert 2.0**-6 < decode_step < 2.0**-3
@@ -138,11 +145,12 @@ def test_streams_over_the_limit_get_the_floor_and_an_unreachable_target_no_cut()
     ]
     assert max(steps) <= floored.target_seconds
     assert predict_ttft(COEF, 512, 40, (), decodes, limit=floored) == sum(steps)
-    # Streams over a target one decode meets: one token a step (a decode of its own).
-    crawl = StepLimit(2.0**-7, 16, 2.0**-6)
+    # Streams over a target one decode meets: the margin's worth of time (2^-7 s) takes
+    # the whole 3-token prompt in one step (it used to crawl at one token a step).
+    over = StepLimit(2.0**-7, 16, 2.0**-6)
     assert A + C + D <= 2.0**-6 < decode_step
-    steps = [decode_step + 3 * i * D + C + (i + 1) * D for i in range(3)]
-    assert predict_ttft(COEF, 512, 3, (), decodes, limit=crawl) == pytest.approx(sum(steps))
+    assert _prefill(3, 0) <= 2.0**-7
+    assert predict_ttft(COEF, 512, 3, (), decodes, limit=over) == decode_step + _prefill(3, 0)
 
 
 def test_batch_in_flight_fills_each_step_up_to_the_limit() -> None:

@@ -278,10 +278,20 @@ def test_prompts_are_capped_only_while_streams_decode_beside_them() -> None:
     assert LIMIT * TICK < MODEL.predict(streams) <= TARGET
     assert MODEL.predict(streams + StepFeatures.of_chunk(16, 4000)) <= TARGET
     assert _prefill_budget([*many, prompt]) == 16
-    # Streams that alone break the target: one token a step, not the whole prompt.
+    # Streams that alone break the target: the floor may add the margin's worth of time
+    # (TARGET - LIMIT = 2^20 ticks) to their step, not the whole prompt. From 4,000, 96
+    # tokens cost exactly that (256,000 + 8,160 n + n^2 ticks), so the floor's 16 go; from
+    # 15,000, 4 do (960,000 + 19,160 n + n^2); from 60,000 not one, and it gets one.
     more = [_req(f"d{n}", 41, 40) for n in range(60)]
-    assert MODEL.predict(StepFeatures(decode_seqs=60, kv_tokens_read=60 * 41)) > TARGET
-    assert _prefill_budget([*more, prompt]) == 1
+    alone = StepFeatures(decode_seqs=60, kv_tokens_read=60 * 41)
+    assert MODEL.predict(alone) > TARGET
+    assert _prefill_budget([*more, prompt]) == 16
+    mid = _req("mid", 16_000, 15_000)
+    assert _prefill_budget([*more, mid]) == 4
+    headroom = TARGET - LIMIT * TICK
+    four, five = (alone + StepFeatures.of_chunk(n, 15_000) for n in (4, 5))
+    assert MODEL.predict(four) <= MODEL.predict(alone) + headroom < MODEL.predict(five)
+    assert _prefill_budget([*more, deepest]) == 1
     # A target one decode alone breaks (this hardware cannot meet it): no cut at all.
     assert MODEL.predict(StepFeatures.of_chunk(1, 0)) > 2.0**-7
     unreachable = prefill_budget(

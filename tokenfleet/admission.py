@@ -104,6 +104,7 @@ def predict_ttft(
                     step,
                     chunks,
                     fits,
+                    limit.seconds,
                     limit.target_seconds,
                     limit.min_prefill_chunk,
                     budget,

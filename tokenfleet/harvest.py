@@ -165,7 +165,8 @@ def prefill_budget(
     limit = step_time_limit(tpot_target_s, margin)
     room = max(0, max_tokens - num_decodes)
     fits = pack(model, decodes, prompts, limit, room)
-    return min(with_floor(model, decodes, prompts, fits, tpot_target_s, min_tokens, room), room)
+    floor = with_floor(model, decodes, prompts, fits, limit, tpot_target_s, min_tokens, room)
+    return min(floor, room)
 
 
 def target_reachable(model: StepCost, tpot_target_s: float) -> bool:
@@ -185,6 +186,7 @@ def with_floor(
     step: StepFeatures,
     prompts: Iterable[tuple[int, int]],
     fits: int,
+    limit_s: float,
     tpot_target_s: float,
     min_tokens: int,
     room: int,
@@ -193,10 +195,19 @@ def with_floor(
     if that is fewer, the floor: `min_tokens`, so that a prompt keeps moving, but only as
     many of them as keep the step within the TPOT target itself (the floor may use up the
     margin, not break the target), and at least one. A chunk deep into a long prompt reads
-    its whole context, so near the end of one the floor is what decides the streams' gaps."""
+    its whole context, so near the end of one the floor is what decides the streams' gaps.
+
+    Where the decodes alone already break the target (many streams on slow hardware), the
+    floor may add the margin's worth of time (target - limit) to their step: one token a
+    step would not save the streams' target, and a burst of prompts behind it would wait
+    for minutes."""
     if fits >= min_tokens:
         return fits
-    return max(1, min(min_tokens, pack(model, step, prompts, tpot_target_s, room)))
+    ceiling = tpot_target_s
+    alone = model.predict(step)
+    if alone > tpot_target_s:
+        ceiling = alone + max(tpot_target_s - limit_s, 0.0)
+    return max(1, min(min_tokens, pack(model, step, prompts, ceiling, room)))
 
 
 class BudgetSettings(Protocol):
