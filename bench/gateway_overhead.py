@@ -35,10 +35,12 @@ import itertools
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -108,7 +110,8 @@ def make_prompts(tokenizer: Tokenizer, count: int, length: int) -> list[list[int
 
 @dataclass
 class RequestTiming:
-    """One request: when it was sent and when each token arrived (perf_counter seconds)."""
+    """One request: when it was sent and when each token arrived, in seconds on one clock
+    (core and client: perf_counter; http: kernel_clock, the kernel's receive stamps')."""
 
     sent: float
     token_times: list[float] = field(default_factory=list)
@@ -304,61 +307,105 @@ async def client_wave(
     return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-class _Arrivals(asyncio.Protocol):
-    """The bytes of one connection, each chunk stamped when the kernel handed it over."""
+# The end of a chunked response (its zero-size last chunk), and a status line that is not
+# 200 (an error reply: read it at once).
+_LAST_CHUNK = b"\r\n0\r\n\r\n"
+_NOT_OK = re.compile(rb"^HTTP/1\.1 (?!200)")
+_TIMESPEC = struct.Struct("@ll")  # SCM_TIMESTAMPNS: seconds, nanoseconds (CLOCK_REALTIME)
 
-    def __init__(self) -> None:
+
+def kernel_clock() -> float:
+    """Now, on the clock of the kernel's receive timestamps (CLOCK_REALTIME), in seconds."""
+    return time.time_ns() / 1e9
+
+
+class _Arrivals:
+    """The bytes of one connection, each chunk stamped by the kernel when it arrived there
+    (SO_TIMESTAMPNS), not when this process got round to reading it: 32 streams' first
+    events arrive together while the engine and the gateway hold both cores, and this
+    process may read them only once the gateway has written them all.
+
+    The reader is woken only when a response is complete (or cannot be: an error status,
+    a closed connection), and parses it then from the stamps, so that this process does
+    little work while the gateway writes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self.chunks: collections.deque[tuple[float, bytes]] = collections.deque()
         self.ready = asyncio.Event()
         self.closed = False
 
-    def data_received(self, data: bytes) -> None:
-        self.chunks.append((time.perf_counter(), data))
-        self.ready.set()
+    def on_readable(self) -> None:
+        ancillary = socket.CMSG_SPACE(_TIMESPEC.size)
+        while True:
+            try:
+                data, cmsgs, _, _ = self.sock.recvmsg(1 << 16, ancillary)
+            except BlockingIOError:
+                return
+            except OSError:
+                data, cmsgs = b"", []
+            if not data:
+                self.closed = True
+                self.ready.set()
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+                return
+            stamp = kernel_clock()
+            for level, kind, value in cmsgs:
+                if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+                    seconds, nanoseconds = _TIMESPEC.unpack(value[: _TIMESPEC.size])
+                    stamp = seconds + nanoseconds / 1e9
+            self.chunks.append((stamp, data))
+            if data.endswith(_LAST_CHUNK) or (len(self.chunks) == 1 and _NOT_OK.match(data)):
+                self.ready.set()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.ready.set()
+
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)  # Linux
 
 
 class SSEConnection:
-    """One keep-alive HTTP/1.1 connection to the gateway, on a raw asyncio protocol.
+    """One keep-alive HTTP/1.1 connection to the gateway, on a raw non-blocking socket.
 
     Requests are encoded before the clock starts and written without awaiting, so a wave
     of 32 reaches the gateway within microseconds, as 32 independent callers' would. (With
     httpx, the client spent about a millisecond per request: a burst of 32 left it over
     tens of ms, and that spread was counted as the gateway's.) A token's time is when the
-    bytes that complete its event arrived, not when this process got round to parsing
-    them: 32 streams' first events arrive together, and parsing them one after another
-    would add this client's own work to the later streams' figures.
+    bytes that complete its event reached this machine's kernel (_Arrivals), on the same
+    clock as the request's sent time (kernel_clock): not when this process got round to
+    reading or parsing them, which would add this client's own work and its wait for a
+    core to the gateway's figures.
     """
 
     KEEPALIVE_S = 3.0  # uvicorn closes idle keep-alive connections after 5 s
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
-        self.transport: asyncio.Transport | None = None
-        self.arrivals = _Arrivals()
+        self.sock: socket.socket | None = None
+        self.arrivals: _Arrivals | None = None
         self.buffer = b""  # received, not yet parsed
         self.buffer_time = 0.0  # arrival of the last chunk in `buffer`
         self.last_used = 0.0
 
     async def ensure_open(self) -> None:
         fresh = time.monotonic() - self.last_used < self.KEEPALIVE_S
-        if self.transport is not None and fresh and not self.arrivals.closed:
+        arrivals = self.arrivals
+        if self.sock is not None and arrivals is not None and fresh and not arrivals.closed:
             return
         self.close()
         loop = asyncio.get_running_loop()
-        self.arrivals = _Arrivals()
-        transport, _ = await loop.create_connection(lambda: self.arrivals, self.host, self.port)
-        assert isinstance(transport, asyncio.Transport)
-        transport.set_write_buffer_limits(high=0)
-        self.transport, self.buffer = transport, b""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (self.host, self.port))
+        self.sock, self.arrivals, self.buffer = sock, _Arrivals(sock), b""
+        loop.add_reader(sock.fileno(), self.arrivals.on_readable)
 
     def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        self.transport = None
+        if self.sock is not None:
+            if self.arrivals is not None and not self.arrivals.closed:
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
+        self.sock = self.arrivals = None
 
     def request_bytes(self, path: str, body: dict[str, Any]) -> bytes:
         payload = json.dumps(body).encode()
@@ -369,12 +416,15 @@ class SSEConnection:
         return head.encode() + payload
 
     def send(self, data: bytes) -> None:
-        assert self.transport is not None
-        self.transport.write(data)
+        assert self.sock is not None
+        sent = self.sock.send(data)  # a few hundred bytes into an empty socket buffer
+        if sent != len(data):
+            raise ConnectionError(f"short write: {sent} of {len(data)} bytes")
 
     async def _more(self) -> None:
         """Move the next arrived chunk into the buffer (waiting for one if need be)."""
         arrivals = self.arrivals
+        assert arrivals is not None
         while not arrivals.chunks:
             if arrivals.closed:
                 raise ConnectionError("the gateway closed the connection")
@@ -455,7 +505,7 @@ async def http_wave(
     ]
     timings = []
     for conn, data in zip(connections, requests, strict=False):
-        timings.append(RequestTiming(time.perf_counter()))
+        timings.append(RequestTiming(kernel_clock()))  # the clock of the arrival stamps
         conn.send(data)
     return list(
         await asyncio.gather(
@@ -745,11 +795,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=8,
         help="per round, waves of C requests run until at least this many ran",
     )
+    add("--min-waves", type=int, default=3, help="and at least this many waves")
     add("--threads", type=int, default=1, help="torch threads of every engine")
     add("--kv-cache-memory", type=int, default=256 << 20, help="KV cache bytes of every engine")
     add("--out", type=Path, default=Path("bench/results"), help="folder for JSON and PNG")
     args = parser.parse_args(argv)
-    for name in ("rounds", "max_tokens", "prompt_len", "min_requests", "threads"):
+    for name in ("rounds", "max_tokens", "prompt_len", "min_requests", "min_waves", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.max_tokens < 2:
@@ -760,8 +811,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def waves_per_round(concurrency: int, min_requests: int) -> int:
-    return math.ceil(min_requests / concurrency)
+def waves_per_round(concurrency: int, args: argparse.Namespace) -> int:
+    return max(math.ceil(args.min_requests / concurrency), args.min_waves)
 
 
 async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
@@ -847,9 +898,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     mode, msgspec.structs.replace(params, max_tokens=min(8, args.max_tokens))
                 )(prompts[:c])
 
-        total = sum(
-            waves_per_round(c, args.min_requests) * c * args.max_tokens for c in args.concurrency
-        )
+        total = sum(waves_per_round(c, args) * c * args.max_tokens for c in args.concurrency)
         bar = tqdm(total=total * len(MODES) * args.rounds, desc="tokens", unit="tok")
         rounds: list[RoundResult] = []
         for r in range(args.rounds):
@@ -861,7 +910,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                 spans = {mode: _Span() for mode in order}
                 # Modes take turns wave by wave (each wave's order rotated too), so that a
                 # slow spell of the machine falls on every mode alike, not on one.
-                for w in range(waves_per_round(c, args.min_requests)):
+                for w in range(waves_per_round(c, args)):
                     turn = w % len(order)
                     for mode in order[turn:] + order[:turn]:
                         bar.set_postfix_str(f"round {r + 1}/{args.rounds}, C={c}, {mode}")
@@ -1005,9 +1054,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workload": {
             "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens,
-            "waves_per_round": {
-                str(c): waves_per_round(c, args.min_requests) for c in args.concurrency
-            },
+            "waves_per_round": {str(c): waves_per_round(c, args) for c in args.concurrency},
         },
         "load_s": outcome["load_s"],
         "summary": summary,

@@ -44,6 +44,11 @@ logger = logging.getLogger(__name__)
 Arrival = tuple[float, EngineCoreOutput]
 
 
+# Submits this far apart end a burst (engine_proc's own arrival window waits 1 ms for a lone
+# request, 5 ms within a burst).
+QUIET_S = 0.002
+
+
 class EngineDeadError(TokenfleetError):
     """The engine process died or went silent; requests in flight are lost (HTTP 503)."""
 
@@ -75,6 +80,10 @@ class AsyncEngineClient:
         self.last_heartbeat = 0.0
         self.num_restarts = 0
         self._closing = False
+        # settled(): done at the engine's next output, or once submits pause.
+        self._settle_waiters: list[asyncio.Future[None]] = []
+        self._quiet_timer: asyncio.TimerHandle | None = None
+        self._last_submit = 0.0
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -156,6 +165,7 @@ class AsyncEngineClient:
                 self._spawn()
 
     def _fail_all(self, error: Exception) -> None:
+        self._settle()
         self._ready.clear()
         self.stats = None  # the dead engine's gauges are no longer true
         for queue in self._queues.values():
@@ -166,6 +176,7 @@ class AsyncEngineClient:
             message = self._decoder.decode(await self._output.recv())
             self.last_heartbeat = now = time.monotonic()
             if isinstance(message, StepOutputs):
+                self._settle()
                 self.stats = message.outputs.stats
                 for output in message.outputs.outputs:
                     queue = self._queues.get(output.req_id)
@@ -197,7 +208,33 @@ class AsyncEngineClient:
         except BaseException:
             del self._queues[request.req_id]
             raise
+        self._last_submit = time.monotonic()
+        if self._quiet_timer is None:
+            self._quiet_timer = asyncio.get_running_loop().call_later(QUIET_S, self._check_quiet)
         return RequestOutputs(self, request.req_id, queue)
+
+    def settled(self) -> asyncio.Future[None]:
+        """A future done when the engine sends its next output, or once no request has
+        been submitted for QUIET_S: a burst of requests is in the engine. Streams set up
+        their replies then, so that this work does not hold back the burst's later
+        requests on their way to the engine (the first token takes a step anyway)."""
+        waiter = asyncio.get_running_loop().create_future()  # its own: a waiter may cancel
+        self._settle_waiters.append(waiter)
+        return waiter
+
+    def _check_quiet(self) -> None:
+        left = self._last_submit + QUIET_S - time.monotonic()
+        if left > 0:
+            self._quiet_timer = asyncio.get_running_loop().call_later(left, self._check_quiet)
+            return
+        self._quiet_timer = None
+        self._settle()
+
+    def _settle(self) -> None:
+        waiters, self._settle_waiters = self._settle_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
         """Yield the request's outputs step by step; closing the iterator early aborts it."""

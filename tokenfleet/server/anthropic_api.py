@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -17,6 +16,7 @@ from tokenfleet.errors import InvalidRequestError
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.body import read_body
 from tokenfleet.server.errors import APIError, anthropic_error_body
+from tokenfleet.server.ids import random_hex
 from tokenfleet.server.service import (
     ClientDisconnected,
     GenerationService,
@@ -110,7 +110,7 @@ def prepare_message(service: GenerationService, body: MessagesRequest) -> Messag
 
 def _message(call: MessageCall) -> dict[str, Any]:
     return {
-        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "id": f"msg_{random_hex(24)}",
         "type": "message",
         "role": "assistant",
         "model": call.body.model,

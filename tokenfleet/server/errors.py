@@ -8,11 +8,12 @@ One APIError carries a status and a kind; the route's flavor decides the body:
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+
+from tokenfleet.server.ids import random_hex
 
 # kind -> (Anthropic error type, OpenAI error type, OpenAI code)
 _KINDS: dict[str, tuple[str, str, str | None]] = {
@@ -61,7 +62,7 @@ def openai_error_body(kind: str, message: str, param: str | None) -> dict[str, A
 def request_id(request: Request) -> str:
     rid = getattr(request.state, "request_id", None)
     if rid is None:
-        rid = f"req_{uuid.uuid4().hex[:24]}"
+        rid = f"req_{random_hex(24)}"
         request.state.request_id = rid
     return str(rid)
 

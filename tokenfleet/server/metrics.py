@@ -149,3 +149,17 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine_stats))
+        self._series: dict[tuple[str, str], tuple[Histogram, Histogram, Histogram]] = {}
+
+    def latency_series(self, route: str, priority: str) -> tuple[Histogram, Histogram, Histogram]:
+        """The TTFT, TPOT and end-to-end histograms of a route and class, looked up once
+        (prometheus_client's labels() takes a lock and builds a key at every call)."""
+        series = self._series.get((route, priority))
+        if series is None:
+            series = (
+                self.ttft.labels(route, priority),
+                self.tpot.labels(route, priority),
+                self.e2e.labels(route, priority),
+            )
+            self._series[(route, priority)] = series
+        return series

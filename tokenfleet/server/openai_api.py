@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,6 +18,7 @@ from tokenfleet.outputs import TokenLogprobs
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.body import read_body
 from tokenfleet.server.errors import APIError, openai_error_body
+from tokenfleet.server.ids import random_hex
 from tokenfleet.server.service import (
     ClientDisconnected,
     GenerationService,
@@ -177,9 +177,7 @@ class _Run:
         self, service: GenerationService, body: _Common, route: str, priority: str
     ) -> None:
         self.service, self.body, self.route, self.priority = service, body, route, priority
-        self.id = (
-            "chatcmpl-" if route.endswith("chat/completions") else "cmpl-"
-        ) + uuid.uuid4().hex
+        self.id = ("chatcmpl-" if route.endswith("chat/completions") else "cmpl-") + random_hex(32)
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.completion_tokens = [0]

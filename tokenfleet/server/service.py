@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -14,7 +13,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from prometheus_client import Histogram
 
-from tokenfleet.admission import AdmissionControl, StepLimit, Verdict
+from tokenfleet.admission import AdmissionControl, FirstToken, StepLimit, Verdict
 from tokenfleet.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
 from tokenfleet.errors import InvalidRequestError
@@ -22,6 +21,7 @@ from tokenfleet.harvest import step_time_limit
 from tokenfleet.outputs import EngineCoreRequest, TokenLogprobs
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.errors import APIError
+from tokenfleet.server.ids import random_hex
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.settings import ServeConfig
 from tokenfleet.tokenizer import Tokenizer
@@ -191,7 +191,7 @@ class GenerationService:
         first token; an interactive request given none is predicted here."""
         num_prompt = len(prompt_token_ids)
         request = EngineCoreRequest(
-            f"gen-{uuid.uuid4().hex}",
+            f"gen-{random_hex(32)}",
             prompt_token_ids,
             params,
             time.monotonic(),
@@ -207,13 +207,19 @@ class GenerationService:
         try:
             async with contextlib.aclosing(await self.client.submit(request)) as outputs:
                 self.metrics.prompt_tokens.inc(num_prompt)
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
-                stopper = StopChecker(list(stop))
                 if announce:
                     # Requests that came in with this one (a burst) reach the engine before
-                    # this one's reply is set up: that can wait for the engine's step.
-                    await asyncio.sleep(0)
+                    # this one's reply, or even its detokenizer, is set up: that can wait
+                    # until the burst is in (or the engine's next output).
+                    await self.client.settled()
                     yield TextDelta("", [], 0)
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+                stopper = StopChecker(list(stop))
+                ttft, tpot, e2e = self.metrics.latency_series(route, priority)
+                # Metrics are recorded once the step's other streams had their turn: the
+                # outputs of one step wake every stream at once, and each waits for those
+                # before it, so what can wait, waits (call_soon runs after them).
+                later = asyncio.get_running_loop().call_soon
                 async for out in outputs:
                     # When the engine's step reached the gateway: the metrics are the
                     # engine's and the way to it; what the gateway adds after is the
@@ -221,13 +227,13 @@ class GenerationService:
                     now = outputs.arrived
                     if waiting_first:
                         waiting_first = False
-                        self._observe_first_token(request.req_id, now, predicted)
-                        self.metrics.ttft.labels(route, priority).observe(now - start)
+                        first = self.admission.first_token(request.req_id, now)
+                        later(self._observe_first_token, first, predicted, ttft, now - start)
                     elif out.new_token_ids:
-                        self.metrics.tpot.labels(route, priority).observe(now - last)
+                        later(tpot.observe, now - last)
                     last = now
                     num_output += len(out.new_token_ids)
-                    self.metrics.generation_tokens.inc(len(out.new_token_ids))
+                    later(self.metrics.generation_tokens.inc, len(out.new_token_ids))
                     shown = out.new_token_ids
                     if out.stop_token_id is not None:
                         shown = shown[:-1]
@@ -245,7 +251,7 @@ class GenerationService:
                             delta.finish_reason = out.finish_reason
                     yield delta
                     if delta.finish_reason is not None:
-                        self.metrics.e2e.labels(route, priority).observe(time.monotonic() - start)
+                        e2e.observe(time.monotonic() - start)
                         return
         except EngineDeadError as exc:
             raise APIError(503, "engine_down", str(exc)) from exc
@@ -254,8 +260,10 @@ class GenerationService:
         finally:
             self.admission.requests.remove(request.req_id)
 
-    def _observe_first_token(self, req_id: str, now: float, predicted: Verdict | None) -> None:
-        first = self.admission.first_token(req_id, now)
+    def _observe_first_token(
+        self, first: FirstToken | None, predicted: Verdict | None, ttft: Histogram, seconds: float
+    ) -> None:
+        ttft.observe(seconds)
         if first is not None and predicted is not None and first.ttft_s > 0:
             error = abs(predicted.predicted_ttft_s - first.ttft_s) / first.ttft_s
             self.ttft_prediction_error.labels(predicted.predictor).observe(error)

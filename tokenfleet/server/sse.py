@@ -5,20 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any, TypeVar
 
+import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
 
 
+_encode = msgspec.json.Encoder().encode
+
+
 def sse_event(data: dict[str, Any] | str, event: str | None = None) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {payload}\n\n".encode()
+    """One event: compact UTF-8 JSON (or a bare string such as [DONE]) on its data line."""
+    payload = data.encode() if isinstance(data, str) else _encode(data)
+    head = b"event: " + event.encode() + b"\n" if event else b""
+    return head + b"data: " + payload + b"\n\n"
 
 
 async def prime(stream: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
