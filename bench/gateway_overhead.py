@@ -137,8 +137,10 @@ class RoundResult:
     cpu_s: dict[str, float]  # process role -> CPU seconds during the round
     other_cpu_share: float | None  # share of the machine's CPUs that other processes used
     # http only: the mean TTFT the gateway itself recorded for these requests (/metrics:
-    # from its service layer taking the request to the engine's first output arriving)
+    # from its service layer taking the request to the engine's first output arriving),
+    # and its mean TPOT (between the engine's outputs arriving)
     gateway_ttft_mean_ms: float | None = None
+    gateway_tpot_mean_ms: float | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -157,6 +159,7 @@ class RoundResult:
             "ttft_mean_ms": statistics.mean(ttft),
             "ttft_p50_ms": percentile(ttft, 50),
             "ttft_p90_ms": percentile(ttft, 90),
+            "tpot_mean_ms": statistics.mean(gaps),
             "tpot_p50_ms": percentile(gaps, 50),
             "tpot_p90_ms": percentile(gaps, 90),
             "output_tokens_per_s": self.output_tokens / self.wall_s,
@@ -222,6 +225,8 @@ class _Span:
         self.other_cpu_s: float | None = 0.0  # share x wall, summed
         self.gateway_ttft_s = 0.0
         self.gateway_ttft_count: int | None = 0
+        self.gateway_tpot_s = 0.0
+        self.gateway_tpot_count = 0
 
     async def measure(
         self,
@@ -229,7 +234,7 @@ class _Span:
         meter: CpuMeter,
         http: httpx.AsyncClient | None,
     ) -> None:
-        metrics_before = await gateway_ttft(http) if http is not None else None
+        metrics_before = await gateway_latency(http) if http is not None else None
         start = meter.sample()
         requests = await wave
         cpu_s, other = meter.since(start)
@@ -243,10 +248,12 @@ class _Span:
         else:
             self.other_cpu_s += other * wall_s
         if metrics_before is not None and http is not None and self.gateway_ttft_count is not None:
-            total, count = await gateway_ttft(http)
+            total, count, tpot_total, tpot_count = await gateway_latency(http)
             if count - metrics_before[1] == len(requests):
                 self.gateway_ttft_s += total - metrics_before[0]
                 self.gateway_ttft_count += len(requests)
+                self.gateway_tpot_s += tpot_total - metrics_before[2]
+                self.gateway_tpot_count += tpot_count - metrics_before[3]
             else:
                 self.gateway_ttft_count = None  # other requests got in: no paired figure
 
@@ -254,9 +261,11 @@ class _Span:
         other = None
         if self.other_cpu_s is not None and self.wall_s > 0:
             other = self.other_cpu_s / self.wall_s
-        gateway_ttft_ms = None
+        gateway_ttft_ms = gateway_tpot_ms = None
         if mode == "http" and self.gateway_ttft_count:
             gateway_ttft_ms = 1e3 * self.gateway_ttft_s / self.gateway_ttft_count
+            if self.gateway_tpot_count:
+                gateway_tpot_ms = 1e3 * self.gateway_tpot_s / self.gateway_tpot_count
         return RoundResult(
             mode,
             concurrency,
@@ -266,6 +275,7 @@ class _Span:
             self.cpu_s,
             other,
             gateway_ttft_ms,
+            gateway_tpot_ms,
         )
 
 
@@ -579,17 +589,24 @@ METRICS = (
 LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 
 
-async def gateway_ttft(http: httpx.AsyncClient) -> tuple[float, int]:
-    """The gateway's own TTFT histogram: (sum of seconds, count) over every label set."""
+async def gateway_latency(http: httpx.AsyncClient) -> tuple[float, int, float, int]:
+    """The gateway's own TTFT and TPOT histograms: (sum of seconds, count) of each, over
+    every label set."""
     text = (await http.get("/metrics")).text
-    total, count = 0.0, 0
+    sums = {"ttft": 0.0, "tpot": 0.0}
+    counts = {"ttft": 0, "tpot": 0}
+    names = {
+        "tokenfleet_time_to_first_token_seconds": "ttft",
+        "tokenfleet_time_per_output_token_seconds": "tpot",
+    }
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name.startswith("tokenfleet_time_to_first_token_seconds_sum"):
-            total += float(value)
-        elif name.startswith("tokenfleet_time_to_first_token_seconds_count"):
-            count += int(float(value))
-    return total, count
+        for prefix, key in names.items():
+            if name.startswith(prefix + "_sum"):
+                sums[key] += float(value)
+            elif name.startswith(prefix + "_count"):
+                counts[key] += int(float(value))
+    return sums["ttft"], counts["ttft"], sums["tpot"], counts["tpot"]
 
 
 def summarize(rounds: list[RoundResult], concurrencies: Sequence[int]) -> dict[str, Any]:
@@ -638,23 +655,34 @@ def summarize(rounds: list[RoundResult], concurrencies: Sequence[int]) -> dict[s
             for r in rounds
             if r.mode == "http" and r.concurrency == c and r.gateway_ttft_mean_ms is not None
         ]
-        client_side = [r.summary()["ttft_mean_ms"] for r in http_rounds]
-        gateway_side = [r.gateway_ttft_mean_ms for r in http_rounds]
         out[str(c)] = {
             "modes": modes,
             "added": added,
             # Paired within the same requests, so the engine's own time cancels out.
-            "http_layer_ttft": {
-                "client_mean_ms": statistics.median(client_side),
-                "gateway_mean_ms": statistics.median(g for g in gateway_side if g is not None),
-                "added_ms": statistics.median(
-                    a - b for a, b in zip(client_side, gateway_side, strict=True) if b is not None
-                ),
-            }
-            if http_rounds
-            else None,
+            "http_layer_ttft": _paired(
+                [(r.summary()["ttft_mean_ms"], r.gateway_ttft_mean_ms) for r in http_rounds]
+            ),
+            "http_layer_tpot": _paired(
+                [(r.summary()["tpot_mean_ms"], r.gateway_tpot_mean_ms) for r in http_rounds]
+            ),
         }
     return out
+
+
+def _paired(rounds: list[tuple[float, float | None]]) -> dict[str, Any] | None:
+    """Client-side mean minus the gateway's own mean, round by round: their median, and
+    half their range as the noise."""
+    pairs = [(a, b) for a, b in rounds if b is not None]
+    if not pairs:
+        return None
+    diffs = [a - b for a, b in pairs]
+    return {
+        "client_mean_ms": statistics.median(a for a, _ in pairs),
+        "gateway_mean_ms": statistics.median(b for _, b in pairs),
+        "added_ms": statistics.median(diffs),
+        "added_ms_per_round": diffs,
+        "noise_ms": (max(diffs) - min(diffs)) / 2 if len(diffs) > 1 else None,
+    }
 
 
 def verdict(value: float, noise: float | None, goal: float) -> str:
@@ -688,6 +716,16 @@ def goals(summary: dict[str, Any]) -> dict[str, Any]:
                 "met": value < goal,
                 "verdict": verdict(value, noise, goal),
             }
+            paired = s[f"http_layer_{name}"]
+            if paired is not None:
+                value, noise = paired["added_ms"], paired["noise_ms"]
+                result[f"{name}_http_layer_at_{c}"] = {
+                    "value_ms": value,
+                    "noise_ms": noise,
+                    "goal_ms": goal,
+                    "met": value < goal,
+                    "verdict": verdict(value, noise, goal),
+                }
     return result
 
 
@@ -700,6 +738,7 @@ def round_to_json(r: RoundResult) -> dict[str, Any]:
         "cpu_s": r.cpu_s,
         "other_processes_cpu_share": r.other_cpu_share,
         "gateway_ttft_mean_ms": r.gateway_ttft_mean_ms,
+        "gateway_tpot_mean_ms": r.gateway_tpot_mean_ms,
         **r.summary(),
         "requests": [
             {
@@ -1015,13 +1054,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     for c in args.concurrency:
-        layer = summary[str(c)]["http_layer_ttft"]
-        if layer:
-            print(
-                f"C={c}: mean TTFT at the client {layer['client_mean_ms']:.1f} ms, in the "
-                f"gateway's /metrics {layer['gateway_mean_ms']:.1f} ms: the HTTP layer adds "
-                f"{layer['added_ms']:+.2f} ms (same requests, engine time cancels)"
-            )
+        for name in ("ttft", "tpot"):
+            layer = summary[str(c)][f"http_layer_{name}"]
+            if layer:
+                print(
+                    f"C={c}: mean {name.upper()} at the client {layer['client_mean_ms']:.2f} "
+                    f"ms, in the gateway's /metrics {layer['gateway_mean_ms']:.2f} ms: the "
+                    f"HTTP layer adds {layer['added_ms']:+.2f} ms (same requests, engine "
+                    "time cancels)"
+                )
     for name, g in goal_results.items():
         print(
             f"goal {name}: {g['value_ms']:+.2f} ± {fmt_noise(g['noise_ms'])} ms "
