@@ -119,18 +119,35 @@ def predict_ttft(
                 # Its first token is sampled now; next step it decodes at its length.
                 joined, joined_kv = joined + 1, joined_kv + prompt[1] + 1
         prefills = deque(p for p in prefills if p[0] < p[1])
-        riding = min(num_b, budget) if limit is None else 0
-        if riding:
-            step += StepFeatures(decode_seqs=riding, kv_tokens_read=kv_b * riding // num_b)
-        seconds = step_seconds(coefficients, step)
-        if limit is not None and (num_b > 0 if batch_in_flight is None else batch_in_flight):
-            seconds = max(seconds, limit.seconds)  # batch fills the step up to the limit
+        in_flight = num_b > 0 if batch_in_flight is None else batch_in_flight
+        seconds, riding = _with_batch(coefficients, step, budget, batch, kv_b, limit, in_flight)
         total += seconds
         if mine[0] == mine[1]:
             return total
         kv_i += num_i + joined_kv
         num_i += joined
         kv_b += riding
+
+
+def _with_batch(
+    coefficients: Mapping[str, float],
+    step: StepFeatures,
+    budget_left: int,
+    batch: Decodes,
+    batch_kv: int,
+    limit: StepLimit | None,
+    batch_in_flight: bool,
+) -> tuple[float, int]:
+    """A step's seconds once batch work joins its interactive part `step`, and how many
+    batch decodes ride along: without a limit (fcfs), the running ones in the tokens
+    left (reading `batch_kv` in all); with one, batch fills the step up to it."""
+    riding = min(batch.num_seqs, budget_left) if limit is None else 0
+    if riding:
+        step += StepFeatures(decode_seqs=riding, kv_tokens_read=batch_kv * riding // batch.num_seqs)
+    seconds = step_seconds(coefficients, step)
+    if limit is not None and batch_in_flight:
+        seconds = max(seconds, limit.seconds)
+    return seconds, riding
 
 
 def _plan_prompts(
@@ -354,13 +371,9 @@ class AdmissionControl:
         )
         step += requests.ahead_features + StepFeatures.of_chunk(num_prompt_tokens, 0)
         batch = requests.decodes(interactive=False)
-        riding = min(batch.num_seqs, left) if self.limit is None else 0
-        if riding:
-            kv = batch.num_kv_tokens * riding // batch.num_seqs
-            step += StepFeatures(decode_seqs=riding, kv_tokens_read=kv)
-        seconds = step_seconds(coefficients, step)
-        if self.limit is not None and requests.has_batch:
-            seconds = max(seconds, self.limit.seconds)  # batch fills the step up to the limit
+        seconds, _ = _with_batch(
+            coefficients, step, left, batch, batch.num_kv_tokens, self.limit, requests.has_batch
+        )
         return seconds
 
     def check(

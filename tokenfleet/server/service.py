@@ -88,13 +88,17 @@ class GenerationService:
         self.config = config
         self.metrics = metrics
         engine = client.config
-        limit, cap = None, 0
-        if engine.scheduling_policy == "priority":  # under fcfs the engine has neither
+        limit = None
+        if engine.scheduling_policy == "priority":
             seconds = step_time_limit(engine.tpot_target_s, engine.harvest_margin)
             limit = StepLimit(seconds, engine.min_prefill_chunk, engine.tpot_target_s)
-            cap = engine.scheduler.long_prefill_token_threshold
+        # The cut the engine's scheduler makes (none under fcfs: SchedulerConfig.under).
+        scheduler = engine.scheduler.under(engine.scheduling_policy)
         self.admission = AdmissionControl(
-            config.ttft_target_s, config.initial_prefill_tokens_per_s, limit, cap
+            config.ttft_target_s,
+            config.initial_prefill_tokens_per_s,
+            limit,
+            scheduler.long_prefill_token_threshold,
         )
         # metrics.py is the engine's and the latency histograms' file; this one is admission's.
         self.ttft_prediction_error = Histogram(
