@@ -106,10 +106,12 @@ def context_length(model_folder: Path) -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, model_folder: Path) -> Iterator[LiveServer]:
-    # A generous TTFT target: on a busy 2-core machine the 32-stream burst below can truly
-    # take over the default 2 s to its last first token, and would be refused (529).
+    # Admission off in effect (these tests are not about it; test_overloaded is): on a busy
+    # 2-core machine the 32-stream burst below can truly take over the default 2 s to its
+    # last first token, and fresh-clone CI runs saw it predicted at 62 and 67 s (refused
+    # with 529) against a 60 s target.
     tmp = tmp_path_factory.mktemp("anthropic")
-    with live_server(tmp, "--ttft-target", "60", model_folder=model_folder) as s:
+    with live_server(tmp, "--ttft-target", "3600", model_folder=model_folder) as s:
         yield s
 
 
