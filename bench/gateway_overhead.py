@@ -17,6 +17,13 @@ TTFT = first token - sent and TPOT = the gaps between consecutive tokens. Modes 
 interleaved, round after round (their order rotated each round), and each figure is the
 median over rounds of that round's median (or p90). Added time = a mode's figure minus the
 core's: http - core is the gateway's whole cost, client - core the process boundary alone.
+Those differences compare different requests on different engines, and this machine's
+steps vary by more than the goals from wave to wave; so it also pairs each wave's requests
+with what the servers themselves recorded for the same requests: the engine's own TTFT
+(from taking a request off its socket to the end of the step with its first token, in
+/metrics) and the gateway's own TTFT and TPOT. Client mean minus the engine's own mean is
+the whole gateway's cost at the first token (HTTP layer and process boundary), with the
+engine's time cancelled out; client minus the gateway's own is the HTTP layer alone.
 It also reads the CPU time every process spent (bench, gateway, engine) from /proc, per
 output token, and how much CPU other processes took meanwhile (noise).
 
@@ -141,6 +148,9 @@ class RoundResult:
     # and its mean TPOT (between the engine's outputs arriving)
     gateway_ttft_mean_ms: float | None = None
     gateway_tpot_mean_ms: float | None = None
+    # client and http: the mean TTFT the engine process itself recorded for these requests
+    # (from taking each off its socket to the end of the step with its first token)
+    engine_ttft_mean_ms: float | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -216,25 +226,25 @@ class CpuMeter:
 
 class _Span:
     """One mode's waves in a round, measured one by one: their requests, wall time, CPU
-    time and the gateway's own TTFT sum (http)."""
+    time, and the latency sums the servers recorded for the same requests: the engine's own
+    TTFT (client and http) and the gateway's own TTFT and TPOT (http)."""
 
     def __init__(self) -> None:
         self.requests: list[RequestTiming] = []
         self.wall_s = 0.0
         self.cpu_s: dict[str, float] = {}
         self.other_cpu_s: float | None = 0.0  # share x wall, summed
-        self.gateway_ttft_s = 0.0
-        self.gateway_ttft_count: int | None = 0
-        self.gateway_tpot_s = 0.0
-        self.gateway_tpot_count = 0
+        # name -> (seconds, count) summed over the waves; None once a wave's counts did not
+        # match its requests (other requests got in: no paired figure)
+        self.recorded: dict[str, tuple[float, int]] | None = {}
 
     async def measure(
         self,
         wave: Awaitable[list[RequestTiming]],
         meter: CpuMeter,
-        http: httpx.AsyncClient | None,
+        recorded: Callable[[], Awaitable[dict[str, tuple[float, int]]]] | None,
     ) -> None:
-        metrics_before = await gateway_latency(http) if http is not None else None
+        before = await recorded() if recorded is not None else None
         start = meter.sample()
         requests = await wave
         cpu_s, other = meter.since(start)
@@ -247,25 +257,29 @@ class _Span:
             self.other_cpu_s = None
         else:
             self.other_cpu_s += other * wall_s
-        if metrics_before is not None and http is not None and self.gateway_ttft_count is not None:
-            total, count, tpot_total, tpot_count = await gateway_latency(http)
-            if count - metrics_before[1] == len(requests):
-                self.gateway_ttft_s += total - metrics_before[0]
-                self.gateway_ttft_count += len(requests)
-                self.gateway_tpot_s += tpot_total - metrics_before[2]
-                self.gateway_tpot_count += tpot_count - metrics_before[3]
-            else:
-                self.gateway_ttft_count = None  # other requests got in: no paired figure
+        if before is None or recorded is None or self.recorded is None:
+            return
+        after = await recorded()
+        ttft_counts = {after[k][1] - before[k][1] for k in after if k.endswith("ttft")}
+        if ttft_counts != {len(requests)}:
+            self.recorded = None
+            return
+        for key in after:
+            seconds, count = self.recorded.get(key, (0.0, 0))
+            self.recorded[key] = (
+                seconds + after[key][0] - before[key][0],
+                count + after[key][1] - before[key][1],
+            )
 
     def result(self, mode: str, concurrency: int, round_index: int) -> RoundResult:
         other = None
         if self.other_cpu_s is not None and self.wall_s > 0:
             other = self.other_cpu_s / self.wall_s
-        gateway_ttft_ms = gateway_tpot_ms = None
-        if mode == "http" and self.gateway_ttft_count:
-            gateway_ttft_ms = 1e3 * self.gateway_ttft_s / self.gateway_ttft_count
-            if self.gateway_tpot_count:
-                gateway_tpot_ms = 1e3 * self.gateway_tpot_s / self.gateway_tpot_count
+        means = {
+            key: 1e3 * seconds / count
+            for key, (seconds, count) in (self.recorded or {}).items()
+            if count
+        }
         return RoundResult(
             mode,
             concurrency,
@@ -274,8 +288,9 @@ class _Span:
             self.wall_s,
             self.cpu_s,
             other,
-            gateway_ttft_ms,
-            gateway_tpot_ms,
+            gateway_ttft_mean_ms=means.get("gateway_ttft"),
+            gateway_tpot_mean_ms=means.get("gateway_tpot"),
+            engine_ttft_mean_ms=means.get("engine_ttft"),
         )
 
 
@@ -589,24 +604,40 @@ METRICS = (
 LATENCIES = ("ttft_p50_ms", "ttft_p90_ms", "tpot_p50_ms", "tpot_p90_ms")
 
 
-async def gateway_latency(http: httpx.AsyncClient) -> tuple[float, int, float, int]:
-    """The gateway's own TTFT and TPOT histograms: (sum of seconds, count) of each, over
-    every label set."""
+_RECORDED = {
+    "tokenfleet_time_to_first_token_seconds": "gateway_ttft",
+    "tokenfleet_time_per_output_token_seconds": "gateway_tpot",
+    "tokenfleet_engine_time_to_first_token_seconds": "engine_ttft",
+}
+
+
+async def gateway_latency(http: httpx.AsyncClient) -> dict[str, tuple[float, int]]:
+    """From /metrics, (sum of seconds, count) over every label set of: the gateway's own
+    TTFT and TPOT histograms, and the engine's own TTFT summary."""
     text = (await http.get("/metrics")).text
-    sums = {"ttft": 0.0, "tpot": 0.0}
-    counts = {"ttft": 0, "tpot": 0}
-    names = {
-        "tokenfleet_time_to_first_token_seconds": "ttft",
-        "tokenfleet_time_per_output_token_seconds": "tpot",
-    }
+    sums = dict.fromkeys(_RECORDED.values(), 0.0)
+    counts = dict.fromkeys(_RECORDED.values(), 0)
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        for prefix, key in names.items():
-            if name.startswith(prefix + "_sum"):
-                sums[key] += float(value)
-            elif name.startswith(prefix + "_count"):
-                counts[key] += int(float(value))
-    return sums["ttft"], counts["ttft"], sums["tpot"], counts["tpot"]
+        family, _, _ = name.partition("{")
+        if family.endswith("_sum") and family.removesuffix("_sum") in _RECORDED:
+            sums[_RECORDED[family.removesuffix("_sum")]] += float(value)
+        elif family.endswith("_count") and family.removesuffix("_count") in _RECORDED:
+            counts[_RECORDED[family.removesuffix("_count")]] += int(float(value))
+    return {key: (sums[key], counts[key]) for key in sums}
+
+
+def engine_latency(client: AsyncEngineClient) -> dict[str, tuple[float, int]]:
+    """The engine's own TTFT (sum of seconds, count), from its latest step message."""
+    stats = client.stats
+    if stats is None:
+        return {"engine_ttft": (0.0, 0)}
+    return {
+        "engine_ttft": (
+            sum(stats.ttft_sum_s_by_class.values()),
+            sum(stats.ttft_count_by_class.values()),
+        )
+    }
 
 
 def summarize(rounds: list[RoundResult], concurrencies: Sequence[int]) -> dict[str, Any]:
@@ -650,35 +681,53 @@ def summarize(rounds: list[RoundResult], concurrencies: Sequence[int]) -> dict[s
                 added[name][f"{m}_noise"] = (
                     (max(diffs) - min(diffs)) / 2 if len(diffs) > 1 else None
                 )
-        http_rounds = [
-            r
-            for r in rounds
-            if r.mode == "http" and r.concurrency == c and r.gateway_ttft_mean_ms is not None
-        ]
+        http_rounds = [r for r in rounds if r.mode == "http" and r.concurrency == c]
+        client_rounds = [r for r in rounds if r.mode == "client" and r.concurrency == c]
+        core_rounds = {r.round: r for r in rounds if r.mode == "core" and r.concurrency == c}
         out[str(c)] = {
             "modes": modes,
             "added": added,
-            # Paired within the same requests, so the engine's own time cancels out.
+            # Paired within the same requests, so the engine's own time cancels out: the
+            # client's mean against the mean the server itself recorded for them.
+            # The whole gateway (HTTP layer, process boundary) against the engine's own TTFT:
+            "gateway_ttft": _paired(
+                [(r.summary()["ttft_mean_ms"], r.engine_ttft_mean_ms) for r in http_rounds]
+            ),
+            # the process boundary alone (ZMQ, the client's event loop):
+            "process_ttft": _paired(
+                [(r.summary()["ttft_mean_ms"], r.engine_ttft_mean_ms) for r in client_rounds]
+            ),
+            # the HTTP layer alone, against the gateway's own TTFT and TPOT:
             "http_layer_ttft": _paired(
                 [(r.summary()["ttft_mean_ms"], r.gateway_ttft_mean_ms) for r in http_rounds]
             ),
             "http_layer_tpot": _paired(
                 [(r.summary()["tpot_mean_ms"], r.gateway_tpot_mean_ms) for r in http_rounds]
             ),
+            # Not paired (other requests, same round): is the engine slower in its own
+            # process beside the gateway than the core in this one? The engine's own mean
+            # TTFT in the http waves minus the core's mean TTFT.
+            "engine_process_vs_core_ttft": _paired(
+                [
+                    (r.engine_ttft_mean_ms, core_rounds[r.round].summary()["ttft_mean_ms"])
+                    for r in http_rounds
+                    if r.engine_ttft_mean_ms is not None and r.round in core_rounds
+                ]
+            ),
         }
     return out
 
 
-def _paired(rounds: list[tuple[float, float | None]]) -> dict[str, Any] | None:
-    """Client-side mean minus the gateway's own mean, round by round: their median, and
-    half their range as the noise."""
-    pairs = [(a, b) for a, b in rounds if b is not None]
+def _paired(rounds: list[tuple[float | None, float | None]]) -> dict[str, Any] | None:
+    """A mean minus another (the client's minus the server's own), round by round: their
+    median, and half their range as the noise."""
+    pairs = [(a, b) for a, b in rounds if a is not None and b is not None]
     if not pairs:
         return None
     diffs = [a - b for a, b in pairs]
     return {
         "client_mean_ms": statistics.median(a for a, _ in pairs),
-        "gateway_mean_ms": statistics.median(b for _, b in pairs),
+        "recorded_mean_ms": statistics.median(b for _, b in pairs),
         "added_ms": statistics.median(diffs),
         "added_ms_per_round": diffs,
         "noise_ms": (max(diffs) - min(diffs)) / 2 if len(diffs) > 1 else None,
@@ -716,16 +765,17 @@ def goals(summary: dict[str, Any]) -> dict[str, Any]:
                 "met": value < goal,
                 "verdict": verdict(value, noise, goal),
             }
-            paired = s[f"http_layer_{name}"]
-            if paired is not None:
-                value, noise = paired["added_ms"], paired["noise_ms"]
-                result[f"{name}_http_layer_at_{c}"] = {
-                    "value_ms": value,
-                    "noise_ms": noise,
-                    "goal_ms": goal,
-                    "met": value < goal,
-                    "verdict": verdict(value, noise, goal),
-                }
+            for part in ("gateway", "http_layer"):
+                paired = s.get(f"{part}_{name}")
+                if paired is not None:
+                    value, noise = paired["added_ms"], paired["noise_ms"]
+                    result[f"{name}_{part}_at_{c}"] = {
+                        "value_ms": value,
+                        "noise_ms": noise,
+                        "goal_ms": goal,
+                        "met": value < goal,
+                        "verdict": verdict(value, noise, goal),
+                    }
     return result
 
 
@@ -739,6 +789,7 @@ def round_to_json(r: RoundResult) -> dict[str, Any]:
         "other_processes_cpu_share": r.other_cpu_share,
         "gateway_ttft_mean_ms": r.gateway_ttft_mean_ms,
         "gateway_tpot_mean_ms": r.gateway_tpot_mean_ms,
+        "engine_ttft_mean_ms": r.engine_ttft_mean_ms,
         **r.summary(),
         "requests": [
             {
@@ -920,6 +971,14 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             ),
         }
 
+        async def client_recorded() -> dict[str, tuple[float, int]]:
+            return engine_latency(client)
+
+        async def http_recorded() -> dict[str, tuple[float, int]]:
+            return await gateway_latency(http)
+
+        recorded = {"core": None, "client": client_recorded, "http": http_recorded}
+
         def wave_fn(mode: str, p: SamplingParams) -> Callable[[list[list[int]]], Awaitable[Any]]:
             async def go(batch: list[list[int]]) -> list[RequestTiming]:
                 if mode == "core":
@@ -954,9 +1013,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     for mode in order[turn:] + order[:turn]:
                         bar.set_postfix_str(f"round {r + 1}/{args.rounds}, C={c}, {mode}")
                         await spans[mode].measure(
-                            wave_fn(mode, params)(prompts[:c]),
-                            meters[mode],
-                            http if mode == "http" else None,
+                            wave_fn(mode, params)(prompts[:c]), meters[mode], recorded[mode]
                         )
                         bar.update(c * args.max_tokens)
                 for mode in order:
@@ -1053,16 +1110,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             "are not resolved here (see the noise)",
             file=sys.stderr,
         )
+    print()
+    print("paired (the client's mean minus what the server recorded for the same requests):")
     for c in args.concurrency:
-        for name in ("ttft", "tpot"):
-            layer = summary[str(c)][f"http_layer_{name}"]
-            if layer:
+        for key, what, where in (
+            ("gateway_ttft", "TTFT", "the engine's own"),
+            ("process_ttft", "TTFT through the engine client", "the engine's own"),
+            ("http_layer_ttft", "TTFT", "the gateway's own"),
+            ("http_layer_tpot", "TPOT", "the gateway's own"),
+        ):
+            p = summary[str(c)][key]
+            if p:
                 print(
-                    f"C={c}: mean {name.upper()} at the client {layer['client_mean_ms']:.2f} "
-                    f"ms, in the gateway's /metrics {layer['gateway_mean_ms']:.2f} ms: the "
-                    f"HTTP layer adds {layer['added_ms']:+.2f} ms (same requests, engine "
-                    "time cancels)"
+                    f"  C={c}: {what} at the client {p['client_mean_ms']:.2f} ms, "
+                    f"{where} {p['recorded_mean_ms']:.2f} ms: "
+                    f"{p['added_ms']:+.2f} ± {fmt_noise(p['noise_ms'])} ms"
                 )
+        p = summary[str(c)]["engine_process_vs_core_ttft"]
+        if p:
+            print(
+                f"  C={c} (not paired): the engine's own TTFT beside the gateway "
+                f"{p['client_mean_ms']:.2f} ms, the in-process core's "
+                f"{p['recorded_mean_ms']:.2f} ms: {p['added_ms']:+.2f} ± "
+                f"{fmt_noise(p['noise_ms'])} ms"
+            )
     for name, g in goal_results.items():
         print(
             f"goal {name}: {g['value_ms']:+.2f} ± {fmt_noise(g['noise_ms'])} ms "

@@ -830,11 +830,32 @@ def test_metrics(server: LiveServer) -> None:
     client = _client(server)
     before_prompt = server.metric("tokenfleet_prompt_tokens_total")
     before_generated = server.metric("tokenfleet_generation_tokens_total")
+    # The engine's own first-token time beside the gateway's, for the same request.
+    engine_ttft = "tokenfleet_engine_time_to_first_token_seconds"
+    gateway_ttft = "tokenfleet_time_to_first_token_seconds"
+    gateway_labels = {"route": CHAT_ROUTE, "priority": "interactive"}
+
+    def ttft_sums() -> tuple[float, float, float]:
+        samples = _samples(server)
+
+        def value(name: str, labels: dict[str, str]) -> float:
+            return sum(v for n, lab, v in samples if n == name and lab == labels)
+
+        return (
+            value(engine_ttft + "_count", {"class": "interactive"}),
+            value(engine_ttft + "_sum", {"class": "interactive"}),
+            value(gateway_ttft + "_sum", gateway_labels),
+        )
+
+    before_ttft = ttft_sums()
     r = client.chat.completions.create(model=MODEL, messages=EOS_CHAT, max_tokens=40, temperature=0)
     assert r.usage is not None
     assert server.metric("tokenfleet_prompt_tokens_total") - before_prompt == r.usage.prompt_tokens
     generated = server.metric("tokenfleet_generation_tokens_total") - before_generated
     assert generated == r.usage.completion_tokens
+    count, engine_s, gateway_s = (a - b for a, b in zip(ttft_sums(), before_ttft, strict=True))
+    assert count == 1
+    assert 0 < engine_s < gateway_s  # the gateway's first token includes the engine's
 
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
     for route in (CHAT_ROUTE, CMPL_ROUTE):

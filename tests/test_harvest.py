@@ -4,14 +4,17 @@ interactive streams are never predicted over the TPOT target (less the margin)."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+import tokenfleet.core
 from tokenfleet.config import EngineConfig, SchedulerConfig
 from tokenfleet.core import EngineCore
 from tokenfleet.harvest import (
@@ -458,6 +461,45 @@ def test_engine_cuts_a_long_prompt_to_keep_streams_within_the_target(model_folde
     assert 16 < chunks[0] < chunks[1] < 512
 
 
+def test_engine_times_each_first_token_from_the_step_after_taking_the_request(
+    model_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's own TTFT (what the gateway's overhead is measured against): from the
+    start of the first step after add_request to the end of the step with the first
+    token, by class; a request aborted before its first token is not counted. The
+    engine's clock is set by hand, and each step takes one second of it."""
+    engine, _ = _recording_engine(_engine_config(model_folder, 64))
+    now = [0.0]
+    clock = SimpleNamespace(
+        monotonic=lambda: now[0], perf_counter=time.perf_counter, time=time.time
+    )
+    monkeypatch.setattr(tokenfleet.core, "time", clock)
+    execute = engine.runner.execute
+
+    def one_second(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        now[0] += 1.0
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(engine.runner, "execute", one_second)
+    engine.add_request(_request("i0", [5] * 8, 3, PRIORITY_INTERACTIVE))
+    engine.add_request(_request("b0", [6] * 100, 3, PRIORITY_BATCH))
+    engine.add_request(_request("b1", [7] * 100, 3, PRIORITY_BATCH))
+    now[0] = 10.0  # taken a while ago: the wait before the engine's first step is not its own
+    engine.step(0.0)  # 10 -> 11: i0's first token; b0 not yet through its prompt
+    assert engine.stats().ttft_count_by_class == {"interactive": 1, "batch": 0}
+    engine.add_request(_request("i1", [8] * 8, 3, PRIORITY_INTERACTIVE))
+    engine.abort(["b1"])
+    now[0] = 20.0
+    engine.step(0.0)  # 20 -> 21: i1's first token and b0's
+    stats = engine.stats()
+    assert stats.ttft_count_by_class == {"interactive": 2, "batch": 1}
+    assert stats.ttft_sum_s_by_class == {"interactive": 1.0 + 1.0, "batch": 21 - 10}
+    while engine.has_unfinished_requests() or engine.has_pending_outputs():
+        engine.step(0.0)  # later tokens are not first tokens
+    assert engine.stats().ttft_count_by_class == {"interactive": 2, "batch": 1}
+    assert engine.stats().ttft_sum_s_by_class == {"interactive": 2.0, "batch": 11.0}
+
+
 def test_config_and_stats_defaults() -> None:
     config = EngineConfig()
     assert (config.tpot_target_s, config.harvest_margin) == (0.06, 0.1)
@@ -485,12 +527,15 @@ def test_metrics_export_classes_reserve_and_budget() -> None:
         num_preemptions_by_class={"interactive": 1, "batch": 3},
         num_kv_blocks_reserved_interactive=12,
         batch_token_budget=29,
+        ttft_sum_s_by_class={"interactive": 1.5, "batch": 40.25},
+        ttft_count_by_class={"interactive": 3, "batch": 7},
     )
     text = generate_latest(Metrics(lambda: stats).registry).decode()
     names = (
         "tokenfleet_num_requests_running_by_class",
         "tokenfleet_num_requests_waiting_by_class",
         "tokenfleet_preemptions_by_class_total",
+        "tokenfleet_engine_time_to_first_token_seconds",
         "tokenfleet_kv_blocks_reserved_interactive",
         "tokenfleet_batch_token_budget",
     )
@@ -502,6 +547,10 @@ def test_metrics_export_classes_reserve_and_budget() -> None:
         'tokenfleet_num_requests_waiting_by_class{class="batch"} 6.0',
         'tokenfleet_preemptions_by_class_total{class="interactive"} 1.0',
         'tokenfleet_preemptions_by_class_total{class="batch"} 3.0',
+        'tokenfleet_engine_time_to_first_token_seconds_count{class="interactive"} 3.0',
+        'tokenfleet_engine_time_to_first_token_seconds_sum{class="interactive"} 1.5',
+        'tokenfleet_engine_time_to_first_token_seconds_count{class="batch"} 7.0',
+        'tokenfleet_engine_time_to_first_token_seconds_sum{class="batch"} 40.25',
         "tokenfleet_kv_blocks_reserved_interactive 12.0",
         "tokenfleet_batch_token_budget 29.0",
     ]

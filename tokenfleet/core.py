@@ -100,6 +100,15 @@ class EngineCore:
         # Under fcfs every request is scheduled as one class; the ids that came as batch,
         # so that stats (and the batch dispatcher's view of the engine) still count them.
         self._fcfs_batch: set[str] = set()
+        # The engine's own time to first token, by the class a request came as: from the
+        # start of the first step after it was taken to the end of the step that gave its
+        # first token (what the gateway adds is the rest, the engine process's wait for
+        # more arrivals included). Requests taken since the last step began; those still
+        # waiting for their first token (since when, and the class); sum and count so far.
+        self._taken: list[tuple[str, str]] = []
+        self._awaiting_first: dict[str, tuple[float, str]] = {}
+        self._ttft_sum_s = {"interactive": 0.0, "batch": 0.0}
+        self._ttft_count = {"interactive": 0, "batch": 0}
         self.last_step_time = time.monotonic()  # the heartbeat the gateway's health reads
 
     def profile_step_time(self) -> None:
@@ -145,8 +154,10 @@ class EngineCore:
         if request.req_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use", param="req_id")
         fcfs = self.config.scheduling_policy == "fcfs"
-        if fcfs and request.priority > PRIORITY_INTERACTIVE:
+        interactive = request.priority <= PRIORITY_INTERACTIVE
+        if fcfs and not interactive:
             self._fcfs_batch.add(request.req_id)
+        self._taken.append((request.req_id, "interactive" if interactive else "batch"))
         self.scheduler.add_request(
             Request(
                 request.req_id,
@@ -163,6 +174,11 @@ class EngineCore:
     def abort(self, req_ids: list[str]) -> None:
         self._pending.extend(self.scheduler.abort_requests(req_ids))
         self._fcfs_batch.difference_update(req_ids)
+        for req_id in req_ids:
+            self._awaiting_first.pop(req_id, None)
+        if self._taken:
+            aborted = set(req_ids)
+            self._taken = [t for t in self._taken if t[0] not in aborted]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -172,6 +188,11 @@ class EngineCore:
         return bool(self._pending)
 
     def step(self, now: float | None = None) -> EngineCoreOutputs:
+        if self._taken:
+            started = time.monotonic()
+            for req_id, label in self._taken:
+                self._awaiting_first[req_id] = (started, label)
+            self._taken = []
         now = time.monotonic() if now is None else now
         if self.config.scheduling_policy == "priority":
             budgets = PriorityBudgets.from_config(
@@ -196,7 +217,18 @@ class EngineCore:
             self._fcfs_batch.difference_update(o.req_id for o in outputs if o.finished)
         self._pending = []
         self.last_step_time = time.monotonic()
+        if self._awaiting_first:
+            self._record_first_tokens(outputs, self.last_step_time)
         return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
+
+    def _record_first_tokens(self, outputs: list[EngineCoreOutput], now: float) -> None:
+        awaiting = self._awaiting_first
+        for output in outputs:
+            if output.new_token_ids or output.finished:
+                taken = awaiting.pop(output.req_id, None)
+                if taken is not None and output.new_token_ids:
+                    self._ttft_sum_s[taken[1]] += now - taken[0]
+                    self._ttft_count[taken[1]] += 1
 
     def stats(self) -> SchedulerStats:
         errors = self.step_model.prediction_error_quantiles((0.5, 0.99))
@@ -234,6 +266,8 @@ class EngineCore:
             num_preemptions_by_class=_by_class(num_preempted_interactive, sum(preempted.values())),
             num_kv_blocks_reserved_interactive=scheduler.reserve_blocks,
             batch_token_budget=self.last_batch_token_budget,
+            ttft_sum_s_by_class=dict(self._ttft_sum_s),
+            ttft_count_by_class=dict(self._ttft_count),
         )
 
 

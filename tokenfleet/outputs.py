@@ -69,6 +69,11 @@ class SchedulerStats(msgspec.Struct):
     # The harvest budget (harvest.py) of the latest step that had batch work to plan:
     # batch tokens allowed in it (None before any).
     batch_token_budget: int | None = None
+    # The engine's own time to first token (core.py): from the start of the first step
+    # after it took a request to the end of the step that gave its first token, summed in
+    # seconds and counted, by class, since the engine started.
+    ttft_sum_s_by_class: dict[str, float] = {}
+    ttft_count_by_class: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct):

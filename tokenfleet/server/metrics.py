@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenfleet.outputs import SchedulerStats
@@ -19,7 +19,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], SchedulerStats | None]) -> None:
         self._stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
         stats = self._stats()
         if stats is None:
             return
@@ -50,7 +50,9 @@ class _EngineCollector(Collector):
         yield from _class_metrics(stats)
 
 
-def _class_metrics(stats: SchedulerStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def _class_metrics(
+    stats: SchedulerStats,
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
     """Interactive and batch side by side: requests, preemptions, the reserve, the harvest
     budget (harvest.py)."""
     for name, doc, values in (
@@ -71,6 +73,16 @@ def _class_metrics(stats: SchedulerStats) -> Iterator[GaugeMetricFamily | Counte
     for label, value in stats.num_preemptions_by_class.items():
         preemptions.add_metric((label,), value)
     yield preemptions
+    engine_ttft = SummaryMetricFamily(
+        "tokenfleet_engine_time_to_first_token_seconds",
+        "the engine's own time to first token, from the start of the first step after it "
+        "took a request to the end of the step that gave its first token, by class (what the "
+        "gateway adds is the rest)",
+        labels=("class",),
+    )
+    for label, count in stats.ttft_count_by_class.items():
+        engine_ttft.add_metric((label,), count, stats.ttft_sum_s_by_class.get(label, 0.0))
+    yield engine_ttft
     yield GaugeMetricFamily(
         "tokenfleet_kv_blocks_reserved_interactive",
         "free KV-cache blocks batch work had to leave for interactive arrivals in the last step",
