@@ -71,6 +71,10 @@ TIGHT_MARGIN = 0.4
 # that step), so that batch joins a step beside streams only where it costs them nothing
 # the model can see, and fills the time between them.
 STREAMS_FIRST_MARGIN = 0.5
+# Configuration m: the TPOT target a peer reached (its measured p50), and steps of batch
+# alone kept within this share of the TTFT target, since an interactive arrival waits for
+# the step in progress (a 512-token step of batch prefill is most of a second here).
+BATCH_STEP_TTFT_SHARE = 0.2
 OURS = {  # config: (policy, interactive?, batch?, extra serve arguments)
     "a": ("priority", True, False, []),
     "b": ("priority", False, True, []),
@@ -78,6 +82,9 @@ OURS = {  # config: (policy, interactive?, batch?, extra serve arguments)
     "c2": ("priority", True, True, ["--harvest-margin", str(TIGHT_MARGIN)]),
     "c3": ("priority", True, True, ["--harvest-margin", str(STREAMS_FIRST_MARGIN)]),
     "d": ("fcfs", True, True, []),
+    # the priority policy with its TPOT target set to a peer's measured TPOT p50 (--match)
+    # and --batch-step-limit BATCH_STEP_TTFT_SHARE x the TTFT target
+    "m": ("priority", True, True, []),
 }
 LABELS = {
     "a": "(a) interactive alone",
@@ -86,7 +93,10 @@ LABELS = {
     "c2": f"(c2) mixed, priority, margin {TIGHT_MARGIN}",
     "c3": f"(c3) mixed, priority, margin {STREAMS_FIRST_MARGIN}",
     "d": "(d) mixed, fcfs",
+    "m": "(m) mixed, priority, TPOT target = a peer's TPOT p50",
 }
+# The interactive percentiles "equal or better" compares, TTFT and TPOT alike.
+PERCENTILES = ("p50", "p90", "p99")
 GOAL_TPOT_RATIO = 1.2
 GOAL_BATCH_RATIO = 0.6
 BUSY_WARNING = 0.1
@@ -214,6 +224,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def peer_name(key: str) -> str | None:
+    """The peer a configuration runs ("vllm", or "vllm@2": vllm with 2 batch streams)."""
+    name = key.partition("@")[0]
+    return name if name in PEERS else None
+
+
+def peer_batch_streams(key: str, args: argparse.Namespace) -> int:
+    _, at, streams = key.partition("@")
+    return int(streams) if at else int(args.peer_batch_concurrency)
+
+
+def config_order(key: str) -> tuple[int, int]:
+    """Ours in OURS's order, then the peers, each by its batch streams."""
+    if key in OURS:
+        return (list(OURS).index(key), 0)
+    name = peer_name(key)
+    assert name is not None, key
+    _, at, streams = key.partition("@")
+    return (len(OURS) + PEERS.index(name), int(streams) if at else 0)
 
 
 # -- calibration ------------------------------------------------------------------------
@@ -389,17 +420,18 @@ def run_config(
     cal: Calibration,
     num_batch: int,
     tmp: Path,
+    tpot_target_s: float,
 ) -> dict[str, Any]:
-    peer = key in PEERS
+    peer = peer_name(key) is not None
     interactive, batch = (True, True) if peer else OURS[key][1:3]
     config = BenchConfig(
         url=server.url,
         out=tmp / f"bench-{key}",
         batch_mode="concurrent" if peer else "api",
-        batch_concurrency=args.peer_batch_concurrency,
+        batch_concurrency=peer_batch_streams(key, args),
         batch_priority=None,  # peers run FCFS (vLLM refuses `priority` without the policy)
         ttft_target_s=cal.ttft_target_s,
-        tpot_target_s=cal.tpot_target_s,
+        tpot_target_s=cal.tpot_target_s,  # goodput: against the calibrated targets always
         drain_s=args.drain,
         progress=False,
         workload=replace(
@@ -420,9 +452,18 @@ def run_config(
             sum(t <= window for t in r.token_times_s) for r in result.records if r.kind == "batch"
         )
     inter = [r for r in result.records if r.kind == "interactive" and r.status == "ok"]
+    if peer:
+        label = f"(e) {peer_name(key)}, {peer_batch_streams(key, args)} batch streams"
+    elif key == "m":
+        label = (
+            f"(m) mixed, priority, TPOT target {1e3 * tpot_target_s:.0f} ms ({args.match}'s "
+            f"p50), batch steps <= {1e3 * BATCH_STEP_TTFT_SHARE * cal.ttft_target_s:.0f} ms"
+        )
+    else:
+        label = LABELS[key]
     row = {
         "config": key,
-        "label": LABELS.get(key, f"(e) {key}, mixed"),
+        "label": label,
         "server": server.name,
         "batch_mode": result.batch_mode if batch else "none",
         "interactive": summary["interactive"],
@@ -439,6 +480,7 @@ def run_config(
     }
     if row["batch_ended_in_window"]:
         log(f"warning: {key}'s batch ended inside the window: raise --num-batch")
+    row["tpot_target_s"] = tpot_target_s if not peer else None
     log(f"{key} done: " + describe(row))
     return row
 
@@ -523,6 +565,43 @@ def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "batch_goal_met": None if batch_ratio is None else batch_ratio >= GOAL_BATCH_RATIO,
         }
     return out
+
+
+def versus_peers(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per peer configuration: which of tokenfleet's mixed configurations did more batch
+    tokens/s at equal or better interactive percentiles (TTFT and TPOT p50, p90 and p99,
+    each <= the peer's), and so whether the issue's goal holds against that peer run."""
+    ours = [k for k in rows if k in OURS and k not in ("a", "b")]
+    out = {}
+    for key, peer in rows.items():
+        if peer_name(key) is None or peer["batch_tokens_per_s"] is None:
+            continue
+        better = []
+        for k in ours:
+            row = rows[k]
+            if row["batch_tokens_per_s"] is None:
+                continue
+            latency_ok = all(
+                row["interactive"][f][p] is not None
+                and peer["interactive"][f][p] is not None
+                and row["interactive"][f][p] <= peer["interactive"][f][p]
+                for f in ("ttft_s", "tpot_s")
+                for p in PERCENTILES
+            )
+            if latency_ok and row["batch_tokens_per_s"] > peer["batch_tokens_per_s"]:
+                better.append(k)
+        out[key] = {"ours_better": better, "goal_met": bool(better)}
+    return out
+
+
+def versus_table(rows: dict[str, dict[str, Any]], versus: dict[str, dict[str, Any]]) -> str:
+    lines = [["peer configuration", "batch tok/s", "ours with more, at <= every percentile"]]
+    for key, v in versus.items():
+        better = ", ".join(f"{k} ({rows[k]['batch_tokens_per_s']:.1f})" for k in v["ours_better"])
+        lines.append(
+            [rows[key]["label"], f"{rows[key]['batch_tokens_per_s']:.1f}", better or "none"]
+        )
+    return format_table(lines)
 
 
 def table(rows: dict[str, dict[str, Any]], rats: dict[str, dict[str, Any]]) -> str:
@@ -625,7 +704,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="a,b,c,c2,c3,d,e",
         help="a: interactive alone, b: batch alone, c: mixed priority, c2 and c3: c with "
         f"harvest margin {TIGHT_MARGIN} and {STREAMS_FIRST_MARGIN}, d: mixed fcfs, "
-        f"e: every installed peer, or a peer by name ({', '.join(PEERS)})",
+        "m: mixed priority with the TPOT target set to --match's measured TPOT p50 and "
+        f"batch steps within {BATCH_STEP_TTFT_SHARE} x the TTFT target, "
+        f"e: every installed peer, or a peer by name ({', '.join(PEERS)}), with @N for N "
+        "batch streams (vllm@2; default --peer-batch-concurrency)",
+    )
+    add(
+        "--match",
+        default="vllm",
+        help="config m: the peer configuration whose interactive TPOT p50 becomes "
+        "tokenfleet's --tpot-target (run earlier in this run, or in --rerun's file)",
     )
     add("--quick", action="store_true", help="short durations and probes (a smoke run)")
     add("--duration", type=float, help="seconds of interactive arrivals (300; quick 30)")
@@ -656,9 +744,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     keys = []
     for key in args.configs.split(","):
         key = key.strip()
+        name, at, streams = key.partition("@")
         if key == "e":
             keys += [p for p in PEERS if p not in keys]
-        elif key in OURS or key in PEERS:
+        elif key in OURS or (name in PEERS and (not at or (streams.isdigit() and int(streams)))):
             keys.append(key)
         else:
             parser.error(f"unknown configuration {key!r}")
@@ -666,7 +755,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def peer_installed(name: str) -> bool:
+def peer_installed(key: str) -> bool:
+    name = peer_name(key)
     if name == "vllm":
         return (HERE / "peers" / "vllm-venv" / "bin" / "vllm").exists()
     return (HERE / "peers" / "build" / "llama.cpp-build" / "bin" / "llama-server").exists()
@@ -706,22 +796,35 @@ def main(argv: list[str] | None = None) -> int:
             f"capacity {cal.capacity_rps:.2f} req/s; interactive rate {cal.rate_rps:.3f} req/s;"
             f" batch {num_batch} requests"
         )
-        targets = (cal.ttft_target_s, cal.tpot_target_s)
         for key in args.keys:
-            if key in PEERS and not peer_installed(key):
+            peer = peer_name(key)
+            if peer is not None and not peer_installed(key):
                 skipped[key] = "not installed (bench/peers/install-*)"
                 log(f"skipping {key}: {skipped[key]}")
                 continue
+            tpot_target_s = cal.tpot_target_s
+            if key == "m":
+                matched = rows.get(args.match) or (earlier or {}).get("configs", {}).get(args.match)
+                if matched is None or matched["interactive"]["tpot_s"]["p50"] is None:
+                    raise SystemExit(f"m: no measured TPOT p50 of {args.match!r} to match")
+                tpot_target_s = matched["interactive"]["tpot_s"]["p50"]
+                log(f"m: TPOT target {1e3 * tpot_target_s:.1f} ms, {args.match}'s p50")
             try:
-                if key in PEERS:
-                    context = peer_server(args, tmp, key)
+                if peer is not None:
+                    context = peer_server(args, tmp, peer)
                 else:
                     policy, _, _, extra = OURS[key]
+                    if key == "m":
+                        limit = BATCH_STEP_TTFT_SHARE * cal.ttft_target_s
+                        extra = [*extra, "--batch-step-limit", f"{limit:.4f}"]
+                    targets = (cal.ttft_target_s, tpot_target_s)
                     context = tokenfleet_server(args, tmp, key, policy, targets, extra)
                 with context as server:
-                    rows[key] = run_config(key, server, args, workload, cal, num_batch, tmp)
+                    rows[key] = run_config(
+                        key, server, args, workload, cal, num_batch, tmp, tpot_target_s
+                    )
             except (RuntimeError, TimeoutError) as exc:
-                if key not in PEERS:
+                if peer is None:
                     raise
                 skipped[key] = str(exc)[:500]
                 log(f"skipping {key}: it did not start ({str(exc)[:200]})")
@@ -730,11 +833,16 @@ def main(argv: list[str] | None = None) -> int:
         reran = dict.fromkeys(rows, start.started_at.isoformat(timespec="seconds"))
         reran = earlier.get("reran", {}) | reran
         rows = {k: v for k, v in earlier["configs"].items() if k not in rows} | rows
-        order = [*OURS, *PEERS]
-        rows = dict(sorted(rows.items(), key=lambda kv: order.index(kv[0])))
+        rows = dict(sorted(rows.items(), key=lambda kv: config_order(kv[0])))
         skipped = {k: v for k, v in earlier.get("skipped", {}).items() if k not in rows} | skipped
     rats = ratios(rows)
+    versus = versus_peers(rows)
     print(table(rows, rats))
+    if versus:
+        print()
+        print("the goal, peer by peer: more batch tokens/s at equal or better interactive")
+        print("TTFT and TPOT p50/p90/p99 (each <= the peer's)")
+        print(versus_table(rows, versus))
     result = start.provenance(args) | {
         "quick": args.quick,
         "args": args_json(args),
@@ -742,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration": asdict(cal),
         "goals": {"tpot_p99_ratio_max": GOAL_TPOT_RATIO, "batch_tps_ratio_min": GOAL_BATCH_RATIO},
         "ratios": rats,
+        "versus_peers": versus,
         "configs": rows,
         "skipped": skipped,
         "reran": reran,  # configurations run again later (--rerun), and when

@@ -93,6 +93,44 @@ def test_no_interactive_work_gets_every_token_left() -> None:
     assert budget(StepFeatures(), [(0, 10**6)], max_tokens=37) == 37
 
 
+def test_a_batch_step_limit_bounds_steps_of_batch_alone() -> None:
+    def alone(batch: list[tuple[int, int]], limit_ticks: int, max_tokens: int = 512) -> int:
+        return harvest_budget(
+            MODEL,
+            StepFeatures(),
+            batch,
+            tpot_target_s=TARGET,
+            margin=MARGIN,
+            max_tokens=max_tokens,
+            batch_step_limit_s=limit_ticks * TICK,
+        )
+
+    # A batch decode at context 200 costs 78,336 ticks: 33 fit beside the intercept
+    # (2,585,088 of 2,621,440 ticks), not 34.
+    assert alone([(199, 1)] * 40, LIMIT) == 33
+    # A prompt from 0: n^2 + 4,160 n <= 2,621,440 gives 555 tokens, then the token cap.
+    assert alone([(0, 10**6)], LIMIT, max_tokens=1000) == 555
+    assert MODEL.predict(StepFeatures.of_chunk(555, 0)) <= LIMIT * TICK
+    assert MODEL.predict(StepFeatures.of_chunk(556, 0)) > LIMIT * TICK
+    assert alone([(0, 10**6)], LIMIT) == 512
+    # Below the step's fixed cost: still one token, so that batch advances.
+    assert alone([(0, 10**6)], A - 1) == 1
+    # Beside interactive work the harvest limit rules, the batch step limit does not.
+    assert (
+        harvest_budget(
+            MODEL,
+            FOUR_DECODES,
+            [(199, 1)] * 40,
+            tpot_target_s=TARGET,
+            margin=MARGIN,
+            max_tokens=512,
+            batch_step_limit_s=A * TICK,
+        )
+        == budget(FOUR_DECODES, [(199, 1)] * 40)
+        == 29
+    )
+
+
 def test_batch_decodes_are_packed_exactly() -> None:
     assert MODEL.predict(FOUR_DECODES) == (A + 4 * C + 400 * D) * TICK == 812_032 * TICK
     # A batch decode at context 200 costs C + 200 D = 78,336 ticks: 29 fit (2,271,744).
@@ -439,6 +477,22 @@ def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
     assert stats.batch_token_budget == 256
 
 
+def test_engine_keeps_steps_of_batch_alone_within_the_batch_step_limit(
+    model_folder: Path,
+) -> None:
+    config = _engine_config(model_folder, 512, batch_step_limit_s=LIMIT * TICK)
+    engine, outs = _recording_engine(config)
+    engine.add_request(_request("b0", [6] * 600, 2, PRIORITY_BATCH))
+    engine.add_request(_request("b1", [7] * 600, 2, PRIORITY_BATCH))
+    engine.step(0.0)
+    # Waiting, b0 is priced from its dearest start (592, all full blocks cached): n^2 +
+    # 4,752 n + 37,888 <= 2,621,440 ticks gives 492 tokens, and it takes them from 0.
+    assert engine.last_batch_token_budget == 492
+    assert [(s.req_id, s.num_tokens) for s in outs[0].scheduled] == [("b0", 492)]
+    assert MODEL.predict(StepFeatures.of_chunk(492, 592)) <= LIMIT * TICK
+    assert MODEL.predict(StepFeatures.of_chunk(493, 592)) > LIMIT * TICK
+
+
 def test_engine_cuts_a_long_prompt_to_keep_streams_within_the_target(model_folder: Path) -> None:
     engine, outs = _recording_engine(_engine_config(model_folder, 512, min_prefill_chunk=16))
     for n in range(3):
@@ -507,6 +561,9 @@ def test_config_and_stats_defaults() -> None:
         EngineConfig(tpot_target_s=0)
     with pytest.raises(ValueError, match=r"harvest_margin must be in \[0, 1\), got 1"):
         EngineConfig(harvest_margin=1)
+    assert EngineConfig().batch_step_limit_s is None
+    with pytest.raises(ValueError, match="batch_step_limit_s must be positive, got 0"):
+        EngineConfig(batch_step_limit_s=0)
     stats = SchedulerStats(0, 0, 0, 10, 0, 0, 0, 0)
     assert stats.batch_token_budget is None
     assert stats.num_preemptions_by_class == {}

@@ -133,12 +133,14 @@ def small_config(**overrides: Any) -> SimConfig:
     return parse_config(data)
 
 
-def run_small(config: SimConfig, *, leap: bool = True, policy: int = 0) -> Simulation:
+def run_small(
+    config: SimConfig, *, leap: bool = True, policy: int = 0, **replica: Any
+) -> Simulation:
     from dataclasses import replace
 
     cost, model = cost_models(config)
     settings = SimSettings(
-        replica=replace(config.replica, leap=leap),
+        replica=replace(config.replica, leap=leap, **replica),
         duration_s=config.duration_s,
         sample_s=config.sample_s,
     )
@@ -186,16 +188,22 @@ def test_the_simulator_drives_the_engines_own_scheduler(monkeypatch: pytest.Monk
     assert sim.metrics.classes[INTERACTIVE].num_finished > 0
 
 
-@pytest.mark.parametrize("policy", ["priority", "fcfs"])
-def test_leaping_equals_stepping(policy: str) -> None:
+@pytest.mark.parametrize(
+    ("policy", "batch_step_limit_s"), [("priority", None), ("priority", 0.01), ("fcfs", None)]
+)
+def test_leaping_equals_stepping(policy: str, batch_step_limit_s: float | None) -> None:
     # Long enough for everything to finish: the blocks held at the end compare too.
     config = small_config(duration_s=200.0, policies=[{"name": policy, "replicas": 2}])
-    stepped, leapt = run_small(config, leap=False), run_small(config, leap=True)
+    limit = {"batch_step_limit_s": batch_step_limit_s}
+    stepped = run_small(config, leap=False, **limit)
+    leapt = run_small(config, leap=True, **limit)
     replicas = [r for pool in leapt.pools for r in pool.replicas.values()]
     assert sum(r.num_leap_steps for r in replicas) > 1000  # it did leap
     assert sum(r.num_cuts for r in replicas) > 10  # and arrivals cut leaps short
     assert outcome(leapt) == outcome(stepped)
     assert leapt.metrics.num_steps == stepped.metrics.num_steps
+    if batch_step_limit_s is not None:  # and the limit bound: not the run without it
+        assert outcome(leapt) != outcome(run_small(config))
     for a, b in zip([r for p in stepped.pools for r in p.replicas.values()], replicas, strict=True):
         assert a.kv.pool.num_free_blocks == b.kv.pool.num_free_blocks
         assert a.kv.pool.num_cached_blocks == b.kv.pool.num_cached_blocks

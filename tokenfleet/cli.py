@@ -40,33 +40,34 @@ def _serve(args: argparse.Namespace) -> int:
     if args.api_keys_file:
         lines = Path(args.api_keys_file).read_text().splitlines()
         keys |= {line.strip() for line in lines if line.strip() and not line.startswith("#")}
-    cache = CacheConfig(
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-        enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
-    scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-    )
-    engine = EngineConfig(
-        model=args.model or None,
-        device=args.device,
-        dtype=args.dtype,
-        num_threads=args.num_threads,
-        max_model_len=args.max_model_len,
-        runner=args.runner,
-        cache=cache,
-        scheduler=scheduler,
-        tpot_target_s=args.tpot_target,
-        harvest_margin=args.harvest_margin,
-        min_prefill_chunk=args.min_prefill_chunk,
-        scheduling_policy=args.scheduling_policy,
-    )
     try:
+        cache = CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+            enable_prefix_caching=not args.no_prefix_caching,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+        scheduler = SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        )
+        engine = EngineConfig(
+            model=args.model or None,
+            device=args.device,
+            dtype=args.dtype,
+            num_threads=args.num_threads,
+            max_model_len=args.max_model_len,
+            runner=args.runner,
+            cache=cache,
+            scheduler=scheduler,
+            tpot_target_s=args.tpot_target,
+            harvest_margin=args.harvest_margin,
+            min_prefill_chunk=args.min_prefill_chunk,
+            batch_step_limit_s=args.batch_step_limit,
+            scheduling_policy=args.scheduling_policy,
+        )
         config = ServeConfig(
             host=args.host,
             port=args.port,
@@ -158,6 +159,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="prompt tokens a step at least beside running streams, so that a prompt keeps "
         "moving: beyond the harvest limit, but never beyond the TPOT target itself (then "
         "fewer, at least 1) (default %(default)s)",
+    )
+    add(
+        "--batch-step-limit",
+        type=float,
+        default=None,
+        help="seconds; a step of batch work alone is kept within this, since an interactive "
+        "request that arrives meanwhile waits for it (default: no limit, throughput first)",
     )
     add(
         "--scheduling-policy",

@@ -107,7 +107,9 @@ class EngineConfig:
     `harvest_margin`); the default target is the reference GPU's. The same limit cuts
     interactive prompts into chunks while interactive streams decode, down to
     `min_prefill_chunk` tokens a step, or fewer (at least one) where that many would break
-    the TPOT target itself (harvest.prefill_budget).
+    the TPOT target itself (harvest.prefill_budget). With no interactive work in a step,
+    batch fills it, within `batch_step_limit_s` where set: an interactive arrival waits for
+    the step in progress (None: no limit, throughput first).
     """
 
     model: str | None = None
@@ -125,6 +127,7 @@ class EngineConfig:
     tpot_target_s: float = 0.06
     harvest_margin: float = 0.1
     min_prefill_chunk: int = 16
+    batch_step_limit_s: float | None = None
     # "priority": interactive before batch, batch inside the harvest budget. "fcfs": one
     # class in arrival order and no harvest budget (vLLM's default), for comparisons.
     scheduling_policy: str = "priority"
@@ -138,6 +141,8 @@ class EngineConfig:
             raise ValueError(f"tpot_target_s must be positive, got {self.tpot_target_s}")
         if self.min_prefill_chunk < 1:
             raise ValueError(f"min_prefill_chunk must be at least 1, got {self.min_prefill_chunk}")
+        if self.batch_step_limit_s is not None and self.batch_step_limit_s <= 0:
+            raise ValueError(f"batch_step_limit_s must be positive, got {self.batch_step_limit_s}")
         if not 0 <= self.harvest_margin < 1:
             raise ValueError(f"harvest_margin must be in [0, 1), got {self.harvest_margin}")
         if self.dtype not in _DTYPES:

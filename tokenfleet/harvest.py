@@ -14,7 +14,11 @@ chunk is priced at its real context and reads that context once, not once a toke
 waiting request is priced from its latest possible start (after its cached full blocks),
 the dearest, but may take its whole prompt. When the interactive part alone is over the
 limit, batch gets nothing (interactive is never held back); with no interactive work in
-the step, batch gets every token left (throughput first).
+the step, batch gets every token left (throughput first), or, with a batch step limit,
+what keeps the step within it: an interactive request that arrives meanwhile waits for
+the step in progress, so on hardware where a full step is long next to the TTFT target
+the limit trades a little batch throughput (the step's fixed cost is paid more often)
+for a shorter wait.
 
 The same packing protects streams from interactive prompts too (prefill_budget): while
 interactive requests decode, the prompts still being prefilled share a token budget that
@@ -111,11 +115,16 @@ def harvest_budget(
     tpot_target_s: float,
     margin: float,
     max_tokens: int,
+    batch_step_limit_s: float | None = None,
 ) -> int:
     """The batch token budget of a step whose interactive part is `interactive`, with
-    `batch` its batch_chunks(); `max_tokens` is what the step's token budget leaves."""
+    `batch` its batch_chunks(); `max_tokens` is what the step's token budget leaves. A
+    step of batch alone is kept within `batch_step_limit_s` (None: no limit), and takes at
+    least one token, so that batch always advances."""
     if interactive == StepFeatures():
-        return max_tokens
+        if batch_step_limit_s is None:
+            return max_tokens
+        return max(1, pack(model, interactive, batch, batch_step_limit_s, max_tokens))
     return pack(model, interactive, batch, step_time_limit(tpot_target_s, margin), max_tokens)
 
 
@@ -222,6 +231,9 @@ class BudgetSettings(Protocol):
     @property
     def min_prefill_chunk(self) -> int: ...
 
+    @property
+    def batch_step_limit_s(self) -> float | None: ...
+
 
 class PriorityBudgets:
     """The priority policy's budgets for one step of `scheduler`, priced by `model`: what
@@ -236,11 +248,13 @@ class PriorityBudgets:
         tpot_target_s: float,
         margin: float,
         min_prefill_chunk: int,
+        batch_step_limit_s: float | None = None,
         reference: StepCost | None = None,
     ) -> None:
         self.scheduler, self.model, self.block_size = scheduler, model, block_size
         self.tpot_target_s, self.margin = tpot_target_s, margin
         self.min_prefill_chunk = min_prefill_chunk
+        self.batch_step_limit_s = batch_step_limit_s
         self.reference = reference  # for target_reachable; None: `model`
         self.last_batch_budget: int | None = None  # as the scheduler was last told
 
@@ -260,6 +274,7 @@ class PriorityBudgets:
             tpot_target_s=config.tpot_target_s,
             margin=config.harvest_margin,
             min_prefill_chunk=config.min_prefill_chunk,
+            batch_step_limit_s=config.batch_step_limit_s,
             reference=reference,
         )
 
@@ -301,5 +316,6 @@ class PriorityBudgets:
             tpot_target_s=self.tpot_target_s,
             margin=self.margin,
             max_tokens=config.max_num_batched_tokens - sum(n for n, _ in interactive_chunks),
+            batch_step_limit_s=self.batch_step_limit_s,
         )
         return self.last_batch_budget

@@ -25,6 +25,7 @@ def batch_decodes_fit(
     tpot_target_s: float,
     margin: float,
     max_num_batched_tokens: int,
+    batch_step_limit_s: float | None = None,
 ) -> bool:
     """Whether a step of interactive decodes from `interactive_starts` lets in every batch
     decode from `batch_starts`, the waiting batch requests' chunks after them."""
@@ -40,5 +41,6 @@ def batch_decodes_fit(
         tpot_target_s=tpot_target_s,
         margin=margin,
         max_tokens=max_num_batched_tokens - len(interactive_starts),
+        batch_step_limit_s=batch_step_limit_s,
     )
     return budget >= len(batch_starts)

@@ -56,6 +56,7 @@ class ReplicaConfig:
     tpot_target_s: float = 0.06
     harvest_margin: float = 0.1
     min_prefill_chunk: int = 16
+    batch_step_limit_s: float | None = None
     leap: bool = True
     max_leap_steps: int = 4096
 
@@ -243,7 +244,8 @@ class SimReplica:
         shift = num_steps - 1  # tokens every request is further on than in step 1
         interactive = [r.num_computed_tokens - 1 + shift for r in sched.running if r.is_interactive]
         batch = [r.num_computed_tokens - 1 + shift for r in sched.running if not r.is_interactive]
-        if not interactive or not batch:
+        limit = self.config.batch_step_limit_s
+        if not batch or (not interactive and limit is None):
             return True
         waiting = batch_chunks((), sched.waiting, sched.config.max_num_seqs, self.kv.block_size)
         return batch_decodes_fit(
@@ -254,6 +256,7 @@ class SimReplica:
             tpot_target_s=self.config.tpot_target_s,
             margin=self.config.harvest_margin,
             max_num_batched_tokens=sched.config.max_num_batched_tokens,
+            batch_step_limit_s=limit,
         )
 
     def _apply_leap(self, leap: _Leap, num_done: int) -> list[StepOutputs]:
