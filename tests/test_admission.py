@@ -186,6 +186,19 @@ def test_refused_just_over_the_target_admitted_exactly_at_it() -> None:
     assert (over.admitted, over.retry_after_s) == (False, 2)
 
 
+def test_the_replay_stops_once_over_the_target() -> None:
+    """Behind a long prompt the replay would run hundreds of steps on the gateway's event
+    loop; admission only needs to know the target is passed."""
+    control = AdmissionControl(ttft_target_s=2.0, initial_prefill_tokens_per_s=1000.0)
+    control.requests.add("long", 100_000, interactive=True, now=0.0)
+    # Step 1 (2.0 s) gives the long prompt 512 tokens; step 2 passes the target.
+    refused = control.check(10, SLOW, 512)
+    assert (refused.admitted, refused.predicted_ttft_s, refused.retry_after_s) == (False, 4.0, 2)
+    # The whole replay: 195 steps of 512 of the long prompt's tokens, then its last 160
+    # and the new prompt's 10.
+    assert predict_ttft(SLOW, 512, 10, [100_000]) == 195 * 2.0 + 1.0 + 170 / 512
+
+
 def test_retry_after_is_at_least_one_second() -> None:
     control = AdmissionControl(ttft_target_s=1e-6, initial_prefill_tokens_per_s=1000.0)
     verdict = control.check(1, COEF, 512)
@@ -266,10 +279,12 @@ def test_the_running_totals_predict_as_the_full_replay(
                 requests.remove(req_id)
                 ids.remove(req_id)
     ahead, interactive, batch, has_batch = requests.snapshot()
-    expected = predict_ttft(
-        COEF, 512, num_prompt_tokens, ahead, interactive, batch, limit, has_batch, None, cap
-    )
+    args = (COEF, 512, num_prompt_tokens, ahead, interactive, batch, limit, has_batch, None, cap)
+    expected = predict_ttft(*args, stop_over=2.0)
     assert admission.predict(num_prompt_tokens, COEF, 512) == (expected, "step_model")
+    # Up to the target the prediction is the whole replay's; over it, a lower bound.
+    whole = predict_ttft(*args)
+    assert expected == whole if whole <= 2.0 else 2.0 < expected <= whole
     # The totals are the sums over what is in flight.
     assert requests.ahead_tokens == sum(ahead)
     assert requests.ahead_features == StepFeatures.of_chunks((n, 0) for n in ahead)
@@ -381,8 +396,9 @@ def test_service_falls_back_to_the_ema_until_the_engine_sends_coefficients(
         service.admit(2001)
     engine.stats = _stats(SLOW)
     with pytest.raises(APIError) as error:
-        service.admit(2000)  # 4 steps of the engine's model: 7.9 s
-    assert error.value.retry_after_s == 6
+        service.admit(2000)  # 4 steps of the engine's model (7.9 s), replayed to the 2nd
+    assert error.value.retry_after_s == 2
+    assert "the predicted time to first token (at least 4.00 s)" in error.value.message
 
 
 def test_service_keeps_its_requests_in_flight_until_first_token_and_end(

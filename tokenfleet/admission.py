@@ -66,6 +66,7 @@ def predict_ttft(
     batch_in_flight: bool | None = None,
     profile: Mapping[str, float] | None = None,
     long_prefill_cap: int = 0,
+    stop_over: float = math.inf,
 ) -> float:
     """Seconds until a new interactive prompt of `num_prompt_tokens` is prefilled, behind
     the interactive `prompts_ahead` (oldest first) and with the given running decodes.
@@ -76,7 +77,12 @@ def predict_ttft(
     and every decode's context grows by a token a step. Prefix-cache hits are not known
     here, so every prompt is priced in full (a pessimistic bound). With a `limit`, prompt
     chunks beside interactive decodes are cut to it, and a step with batch work in flight
-    (`batch_in_flight`, by default: batch decodes running) takes at least the limit."""
+    (`batch_in_flight`, by default: batch decodes running) takes at least the limit.
+
+    The replay stops at the first step that takes the total over `stop_over`: the answer
+    is then a lower bound over it, which is all admission needs to know, and the replay
+    stays short (behind a whole-context prompt cut to a few tokens a step it would run
+    thousands of steps, hundreds of ms of the gateway's event loop)."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
     # [tokens scheduled, prompt length] of each prompt still to prefill, oldest first.
@@ -122,7 +128,7 @@ def predict_ttft(
         in_flight = num_b > 0 if batch_in_flight is None else batch_in_flight
         seconds, riding = _with_batch(coefficients, step, budget, batch, kv_b, limit, in_flight)
         total += seconds
-        if mine[0] == mine[1]:
+        if mine[0] == mine[1] or total > stop_over:
             return total
         kv_i += num_i + joined_kv
         num_i += joined
@@ -331,7 +337,8 @@ class AdmissionControl:
         max_num_batched_tokens: int,
         profile: Mapping[str, float] | None = None,
     ) -> tuple[float, str]:
-        """The predicted TTFT of a new interactive prompt, and which predictor gave it."""
+        """The predicted TTFT of a new interactive prompt, and which predictor gave it;
+        over the target, a lower bound (predict_ttft's `stop_over`)."""
         requests = self.requests
         if not any(v > 0 for v in coefficients.values()):
             tokens = requests.ahead_tokens + num_prompt_tokens
@@ -350,6 +357,7 @@ class AdmissionControl:
                 has_batch,
                 profile,
                 self.long_prefill_cap,
+                stop_over=self.ttft_target_s,
             )
         return seconds, "step_model"
 
@@ -384,8 +392,9 @@ class AdmissionControl:
         profile: Mapping[str, float] | None = None,
     ) -> Verdict:
         """Admit at or under the target; over it, refuse with Retry-After = the predicted
-        excess rounded up to whole seconds (at least 1). `profile`: the engine's start-up
-        profile's coefficients (predict_ttft)."""
+        excess rounded up to whole seconds (at least 1), as far as the replay went: it
+        stops once over the target, so the excess is a lower bound. `profile`: the engine's
+        start-up profile's coefficients (predict_ttft)."""
         seconds, predictor = self.predict(
             num_prompt_tokens, coefficients, max_num_batched_tokens, profile
         )

@@ -161,8 +161,9 @@ class GenerationService:
             raise APIError(
                 529,
                 "overloaded",
-                f"overloaded: the predicted time to first token ({verdict.predicted_ttft_s:.2f} s)"
-                f" exceeds the target ({self.config.ttft_target_s:.2f} s); retry later",
+                "overloaded: the predicted time to first token (at least "
+                f"{verdict.predicted_ttft_s:.2f} s) exceeds the target "
+                f"({self.config.ttft_target_s:.2f} s); retry later",
                 retry_after_s=verdict.retry_after_s,
             )
         return verdict
@@ -268,6 +269,7 @@ class GenerationService:
         self, first: FirstToken | None, predicted: Verdict | None, ttft: Histogram, seconds: float
     ) -> None:
         ttft.observe(seconds)
-        if first is not None and predicted is not None and first.ttft_s > 0:
+        # A verdict over the target is a lower bound (the replay stopped there): not scored.
+        if first is not None and predicted is not None and predicted.admitted and first.ttft_s > 0:
             error = abs(predicted.predicted_ttft_s - first.ttft_s) / first.ttft_s
             self.ttft_prediction_error.labels(predicted.predictor).observe(error)
