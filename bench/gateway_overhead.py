@@ -20,10 +20,11 @@ core's: http - core is the gateway's whole cost, client - core the process bound
 Those differences compare different requests on different engines, and this machine's
 steps vary by more than the goals from wave to wave; so it also pairs each wave's requests
 with what the servers themselves recorded for the same requests: the engine's own TTFT
-(from taking a request off its socket to the end of the step with its first token, in
-/metrics) and the gateway's own TTFT and TPOT. Client mean minus the engine's own mean is
-the whole gateway's cost at the first token (HTTP layer and process boundary), with the
-engine's time cancelled out; client minus the gateway's own is the HTTP layer alone.
+(from the start of the first step after it took a request to the end of the step with
+its first token, in /metrics) and the gateway's own TTFT and TPOT. Client mean minus the
+engine's own mean is the whole gateway's cost at the first token (HTTP layer and process
+boundary), with the engine's time cancelled out; client minus the gateway's own is the
+HTTP layer alone.
 It also reads the CPU time every process spent (bench, gateway, engine) from /proc, per
 output token, and how much CPU other processes took meanwhile (noise).
 
@@ -149,7 +150,8 @@ class RoundResult:
     gateway_ttft_mean_ms: float | None = None
     gateway_tpot_mean_ms: float | None = None
     # client and http: the mean TTFT the engine process itself recorded for these requests
-    # (from taking each off its socket to the end of the step with its first token)
+    # (from the start of the first step after it took each to the end of the step with its
+    # first token)
     engine_ttft_mean_ms: float | None = None
 
     @property
