@@ -226,25 +226,33 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def peer_key(key: str) -> tuple[str, int | None] | None:
+    """A peer configuration's peer and batch streams ("vllm": the default number, "vllm@2":
+    2); None for one of ours or a key that is neither."""
+    name, at, streams = key.partition("@")
+    if name not in PEERS or (at and not (streams.isdigit() and int(streams) > 0)):
+        return None
+    return name, int(streams) if at else None
+
+
 def peer_name(key: str) -> str | None:
-    """The peer a configuration runs ("vllm", or "vllm@2": vllm with 2 batch streams)."""
-    name = key.partition("@")[0]
-    return name if name in PEERS else None
+    peer = peer_key(key)
+    return None if peer is None else peer[0]
 
 
 def peer_batch_streams(key: str, args: argparse.Namespace) -> int:
-    _, at, streams = key.partition("@")
-    return int(streams) if at else int(args.peer_batch_concurrency)
+    peer = peer_key(key)
+    assert peer is not None, key
+    return int(args.peer_batch_concurrency) if peer[1] is None else peer[1]
 
 
 def config_order(key: str) -> tuple[int, int]:
     """Ours in OURS's order, then the peers, each by its batch streams."""
     if key in OURS:
         return (list(OURS).index(key), 0)
-    name = peer_name(key)
-    assert name is not None, key
-    _, at, streams = key.partition("@")
-    return (len(OURS) + PEERS.index(name), int(streams) if at else 0)
+    peer = peer_key(key)
+    assert peer is not None, key
+    return (len(OURS) + PEERS.index(peer[0]), peer[1] or 0)
 
 
 # -- calibration ------------------------------------------------------------------------
@@ -744,10 +752,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     keys = []
     for key in args.configs.split(","):
         key = key.strip()
-        name, at, streams = key.partition("@")
         if key == "e":
             keys += [p for p in PEERS if p not in keys]
-        elif key in OURS or (name in PEERS and (not at or (streams.isdigit() and int(streams)))):
+        elif key in OURS or peer_key(key) is not None:
             keys.append(key)
         else:
             parser.error(f"unknown configuration {key!r}")

@@ -71,9 +71,20 @@ class HandSetStepModel(StepTimeModel):
 MODEL = HandSetStepModel(A, B, C, D, E)
 
 
-def budget(interactive: StepFeatures, batch: list[tuple[int, int]], max_tokens: int = 512) -> int:
+def budget(
+    interactive: StepFeatures,
+    batch: list[tuple[int, int]],
+    max_tokens: int = 512,
+    batch_step_limit_s: float | None = None,
+) -> int:
     return harvest_budget(
-        MODEL, interactive, batch, tpot_target_s=TARGET, margin=MARGIN, max_tokens=max_tokens
+        MODEL,
+        interactive,
+        batch,
+        tpot_target_s=TARGET,
+        margin=MARGIN,
+        max_tokens=max_tokens,
+        batch_step_limit_s=batch_step_limit_s,
     )
 
 
@@ -95,15 +106,7 @@ def test_no_interactive_work_gets_every_token_left() -> None:
 
 def test_a_batch_step_limit_bounds_steps_of_batch_alone() -> None:
     def alone(batch: list[tuple[int, int]], limit_ticks: int, max_tokens: int = 512) -> int:
-        return harvest_budget(
-            MODEL,
-            StepFeatures(),
-            batch,
-            tpot_target_s=TARGET,
-            margin=MARGIN,
-            max_tokens=max_tokens,
-            batch_step_limit_s=limit_ticks * TICK,
-        )
+        return budget(StepFeatures(), batch, max_tokens, batch_step_limit_s=limit_ticks * TICK)
 
     # A batch decode at context 200 costs 78,336 ticks: 33 fit beside the intercept
     # (2,585,088 of 2,621,440 ticks), not 34.
@@ -117,15 +120,7 @@ def test_a_batch_step_limit_bounds_steps_of_batch_alone() -> None:
     assert alone([(0, 10**6)], A - 1) == 1
     # Beside interactive work the harvest limit rules, the batch step limit does not.
     assert (
-        harvest_budget(
-            MODEL,
-            FOUR_DECODES,
-            [(199, 1)] * 40,
-            tpot_target_s=TARGET,
-            margin=MARGIN,
-            max_tokens=512,
-            batch_step_limit_s=A * TICK,
-        )
+        budget(FOUR_DECODES, [(199, 1)] * 40, batch_step_limit_s=A * TICK)
         == budget(FOUR_DECODES, [(199, 1)] * 40)
         == 29
     )
