@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import itertools
 import json
 import math
@@ -322,16 +323,19 @@ def core_wave(
 async def client_wave(
     client: AsyncEngineClient, prompts: list[list[int]], params: SamplingParams
 ) -> list[RequestTiming]:
-    async def one(prompt: list[int]) -> RequestTiming:
+    async def one(prompt: list[int], on_the_way: int) -> RequestTiming:
         timing = RequestTiming(time.perf_counter())
         request = EngineCoreRequest(uuid.uuid4().hex, prompt, params, time.monotonic())
-        async for out in client.generate(request):
-            if out.new_token_ids:
-                timing.token_times.append(time.perf_counter())
-                timing.num_tokens += len(out.new_token_ids)
+        # As the gateway does: each request says how many of the wave are still to come.
+        async with contextlib.aclosing(await client.submit(request, on_the_way)) as outputs:
+            async for out in outputs:
+                if out.new_token_ids:
+                    timing.token_times.append(time.perf_counter())
+                    timing.num_tokens += len(out.new_token_ids)
         return timing
 
-    return list(await asyncio.gather(*(one(p) for p in prompts)))
+    last = len(prompts) - 1
+    return list(await asyncio.gather(*(one(p, last - i) for i, p in enumerate(prompts))))
 
 
 # The end of a chunked response (its zero-size last chunk), and a status line that is not

@@ -436,7 +436,7 @@ def run_config(
         url=server.url,
         out=tmp / f"bench-{key}",
         batch_mode="concurrent" if peer else "api",
-        batch_concurrency=peer_batch_streams(key, args),
+        batch_concurrency=peer_batch_streams(key, args) if peer else args.peer_batch_concurrency,
         batch_priority=None,  # peers run FCFS (vLLM refuses `priority` without the policy)
         ttft_target_s=cal.ttft_target_s,
         tpot_target_s=cal.tpot_target_s,  # goodput: against the calibrated targets always

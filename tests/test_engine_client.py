@@ -15,8 +15,10 @@ import pytest
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import CacheConfig, EngineConfig
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
+from tokenfleet.engine_proc import ARRIVAL_GAP_MS, BURST_GAP_MS, arrival_gap_ms
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.outputs import EngineCoreOutput, EngineCoreRequest
+from tokenfleet.server.service import OnTheWay
 
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30], [1, 4093, 198, 19842, 2]]
 
@@ -135,5 +137,94 @@ def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> Non
             assert client.is_healthy() and client.pid != old_pid
             assert client.num_restarts == 1
             assert len(await _collect(client, "again", PROMPTS[1], 5)) == 5
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "on_the_way", "window_left_ms", "gap_ms"),
+    [
+        (1, None, 50.0, ARRIVAL_GAP_MS),  # a lone request, the sender cannot tell
+        (2, None, 50.0, BURST_GAP_MS),  # a burst under way: a collector pause may split it
+        (2, 0, 50.0, ARRIVAL_GAP_MS),  # the sender says the burst is in
+        (1, 3, 50.0, 50),  # ...or that more are coming: the rest of the window
+        (1, 3, 12.2, 13),
+        (1, 3, 0.3, 1),
+    ],
+)
+def test_an_idle_engine_waits_for_what_the_sender_says_is_on_its_way(
+    arrivals: int, on_the_way: int | None, window_left_ms: float, gap_ms: int
+) -> None:
+    assert arrival_gap_ms(arrivals, on_the_way, window_left_ms) == gap_ms
+
+
+def test_a_request_on_its_way_joins_the_first_step(model_folder: Path) -> None:
+    """An idle engine told that another request is on its way (AddRequest.on_the_way)
+    waits for it within its arrival window (here 100 ms: the last step was a long prefill)
+    and starts one step with both; told that none is, it waits ARRIVAL_GAP_MS and a request
+    50 ms later gets a step of its own. Outputs of one step share their `arrived`."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def same_first_step(client: AsyncEngineClient, on_the_way: int) -> bool:
+        await _collect(client, f"long-{on_the_way}", [100] * 400, 1)  # a step of 100s of ms
+        first = await client.submit(
+            EngineCoreRequest(f"a{on_the_way}", PROMPTS[0], params, 0.0), on_the_way
+        )
+        await asyncio.sleep(0.05)
+        second = await client.submit(
+            EngineCoreRequest(f"b{on_the_way}", PROMPTS[1], params, 0.0), 0
+        )
+        async with contextlib.aclosing(first), contextlib.aclosing(second):
+            await anext(first)
+            await anext(second)
+            return first.arrived == second.arrived
+
+    async def main() -> None:
+        async with _running(model_folder) as client:
+            assert await same_first_step(client, on_the_way=1)
+            assert not await same_first_step(client, on_the_way=0)
+
+    asyncio.run(main())
+
+
+def test_on_the_way_counts_the_server_requests_not_yet_at_the_engine() -> None:
+    async def main() -> None:
+        tasks: set[asyncio.Task[None]] = set()  # as uvicorn keeps its request tasks
+        way = OnTheWay(tasks)
+        counts: dict[str, int | None] = {}
+        done = asyncio.Event()
+
+        async def work(name: str) -> None:  # in a task of its own, as n > 1 choices are
+            counts[name] = way.reached()
+
+        async def request(name: str, submits: bool) -> None:
+            way.entered()
+            if submits:
+                await asyncio.create_task(work(name))
+            else:
+                way.passed()  # a route that never reaches the engine
+            await done.wait()
+
+        def start(name: str, submits: bool = True) -> None:
+            task = asyncio.create_task(request(name, submits))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        for name in ("a", "b", "metrics", "c"):
+            start(name, submits=name != "metrics")
+        while len(counts) < 3:  # all four entered, then each submitted in turn
+            await asyncio.sleep(0)
+        assert counts == {"a": 2, "b": 1, "c": 0}
+        start("d")
+        start("e")
+        while len(counts) < 5:
+            await asyncio.sleep(0)
+        assert counts["d"] == 1 and counts["e"] == 0
+        running = list(tasks)
+        done.set()
+        await asyncio.gather(*running)
+        assert not tasks
+        assert way.reached() == 0  # not a server request (the batch dispatcher): not counted
+        assert OnTheWay(None).reached() is None  # a server that does not expose its tasks
 
     asyncio.run(main())

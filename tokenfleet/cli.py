@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import socket
 import sys
@@ -90,8 +91,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tokenfleet serve: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(
-        create_app(config),
+    app = create_app(config)
+    server_config = uvicorn.Config(
+        app,
         host=config.host,
         port=config.port,
         log_level="info",
@@ -102,7 +104,13 @@ def _serve(args: argparse.Namespace) -> int:
         # X-Forwarded-* parsing on every request.
         proxy_headers=False,
     )
-    return 0
+    server = uvicorn.Server(server_config)
+    # The gateway counts the requests uvicorn has taken in and not yet sent to the engine.
+    app.state.server_tasks = server.server_state.tasks
+    with contextlib.suppress(KeyboardInterrupt):  # as uvicorn.run
+        server.run()
+    # As uvicorn.run: a server that never started (the port taken, the lifespan failed).
+    return 0 if server.started else 3
 
 
 def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

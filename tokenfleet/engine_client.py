@@ -193,10 +193,14 @@ class AsyncEngineClient:
 
     # -- requests -----------------------------------------------------------------
 
-    async def submit(self, request: EngineCoreRequest) -> RequestOutputs:
+    async def submit(
+        self, request: EngineCoreRequest, on_the_way: int | None = None
+    ) -> RequestOutputs:
         """Send the request to the engine now; its outputs come from the returned iterator.
         The caller starts its reply meanwhile (a streamed response's headers during the
-        prefill), and closes the iterator when done: early, that aborts the request."""
+        prefill), and closes the iterator when done: early, that aborts the request.
+        `on_the_way`: how many more requests the caller has taken in and will submit
+        soon (None: unknown); an idle engine waits for them before its first step."""
         if not self.is_healthy():
             raise EngineDeadError("the engine is not running")
         if request.req_id in self._queues:
@@ -204,7 +208,7 @@ class AsyncEngineClient:
         queue: asyncio.Queue[Arrival | Exception] = asyncio.Queue()
         self._queues[request.req_id] = queue
         try:
-            await self._send(AddRequest(request))
+            await self._send(AddRequest(request, on_the_way))
         except BaseException:
             del self._queues[request.req_id]
             raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import signal
 import sys
 import time
@@ -50,6 +51,20 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def arrival_gap_ms(arrivals: int, on_the_way: int | None, window_left_ms: float) -> int:
+    """How long an engine waking from idle waits for one more arrival before its first step,
+    so that a burst lands in the same first step instead of queueing behind the first
+    request's prefill. When the sender says more requests are on their way (the gateway
+    still parsing them), the rest of the window; when it says none, the short gap, for one
+    whose bytes it had not seen yet. When it cannot tell: the short gap for a lone request,
+    a longer one within a burst, so that a collector pause in the gateway does not split it."""
+    if on_the_way is None:
+        return BURST_GAP_MS if arrivals > 1 else ARRIVAL_GAP_MS
+    if on_the_way > 0:
+        return max(1, math.ceil(window_left_ms))
+    return ARRIVAL_GAP_MS
+
+
 def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)  # exit at once, even with messages the gateway never read
@@ -85,16 +100,15 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
             window_s = min(ARRIVAL_WINDOW_MAX_S, ARRIVAL_WINDOW_STEP_SHARE * step_s)
             window_end = time.monotonic() + window_s
             arrivals = 0
+            on_the_way: int | None = None  # as the latest request's sender counted them
             while True:
                 try:
                     message = decoder.decode(inputs.recv(zmq.NOBLOCK))
                 except zmq.Again:
-                    # Waking from idle, give a burst of arrivals a moment to land in the
-                    # same first step instead of queueing behind the first one's prefill.
-                    # A lone request waits the short gap only; in a burst a longer one, so
-                    # that a collector pause in the gateway does not split it.
-                    gap_ms = BURST_GAP_MS if arrivals > 1 else ARRIVAL_GAP_MS
-                    if not busy and time.monotonic() < window_end and inputs.poll(gap_ms):
+                    if busy:
+                        break
+                    left_ms = (window_end - time.monotonic()) * 1000
+                    if left_ms > 0 and inputs.poll(arrival_gap_ms(arrivals, on_the_way, left_ms)):
                         continue
                     break
                 if isinstance(message, Shutdown):
@@ -103,6 +117,7 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                     core.abort(message.req_ids)
                 elif isinstance(message, AddRequest):
                     arrivals += 1
+                    on_the_way = message.on_the_way
                     try:
                         core.add_request(message.request)
                     except InvalidRequestError as exc:

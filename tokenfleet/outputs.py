@@ -96,6 +96,10 @@ class ModelRunnerOutput(msgspec.Struct):
 
 class AddRequest(msgspec.Struct, tag="add"):
     request: EngineCoreRequest
+    # How many more requests the sender has taken in and not sent yet (HTTP requests the
+    # gateway is still parsing): an idle engine waits for them before its first step. None:
+    # the sender cannot tell, so the engine guesses from the gaps between arrivals.
+    on_the_way: int | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -78,6 +78,8 @@ class Gateway(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
+        on_the_way = self.state.service.on_the_way
+        on_the_way.entered()
         request = Request(scope, receive)
         rid = request_id(request)
         api_keys: frozenset[str] = self.state.config.api_keys
@@ -97,14 +99,17 @@ class Gateway(FastAPI):
 
         endpoint = DIRECT_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
         if endpoint is None:
+            on_the_way.passed()  # not a generation request: the engine need not wait for it
             await super().__call__(scope, receive, send_with_id)
             return
         scope["app"] = self  # as Starlette sets it: the endpoints find their state there
         try:
             response = await endpoint(request)
         except APIError as exc:
+            on_the_way.passed()
             response = error_response(request, exc)
         except Exception:
+            on_the_way.passed()
             response = _internal_error(request)
         await response(scope, receive, send_with_id)
 
@@ -122,7 +127,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         metrics = Metrics(lambda: client.stats)
         app.state.client = client
         app.state.metrics = metrics
-        app.state.service = GenerationService(client, Tokenizer(folder), config, metrics)
+        app.state.service = GenerationService(
+            client, Tokenizer(folder), config, metrics, app.state.server_tasks
+        )
         app.state.started = int(time.time())
         await client.start()
         batches = await _start_batches(config.batch, app.state.service, client, metrics)
@@ -140,6 +147,9 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     app = Gateway(title="tokenfleet", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config
+    # The HTTP server's request tasks, where it exposes them (`tokenfleet serve` sets them
+    # before starting): the gateway counts the requests on their way to the engine.
+    app.state.server_tasks = None
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Coroutine, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -79,11 +80,62 @@ class TextDelta:
     stop_sequence: str | None = None
 
 
+# The server's task of the HTTP request being served (OnTheWay.entered), in its context.
+_REQUEST_TASK: ContextVar[asyncio.Task[Any] | None] = ContextVar(
+    "tokenfleet_request_task", default=None
+)
+
+
+class OnTheWay:
+    """The HTTP requests the server has taken in that have not reached the engine yet: a
+    burst's later requests, still being parsed one after another on this event loop. Sent
+    with each request (AddRequest.on_the_way), so that an idle engine starts its first step
+    as soon as the burst is in, instead of after a guessed pause in arrivals.
+
+    `tasks`: the HTTP server's set of request tasks (uvicorn starts one per request once it
+    has read the headers, before the request runs; it leaves the set when done); None when
+    the app runs under a server that does not expose it, and the count is then unknown. A
+    request passes when it submits to the engine, or at once for a route that never does.
+    The gateway marks each request's task as it enters (`entered`), since the work may go
+    on in tasks of its own (cancel_on_disconnect, n > 1 choices), which share its context."""
+
+    def __init__(self, tasks: set[asyncio.Task[None]] | None) -> None:
+        self._tasks = tasks
+        self._passed: set[asyncio.Task[Any]] = set()
+
+    @staticmethod
+    def entered() -> None:
+        """The current task is the server's task of a request that has just entered."""
+        _REQUEST_TASK.set(asyncio.current_task())
+
+    def passed(self) -> None:
+        """The current request will not (or will no longer) reach the engine."""
+        task = _REQUEST_TASK.get()
+        if self._tasks is None or task is None or task not in self._tasks:
+            return  # not a request (the batch dispatcher), or not one the server counts
+        if task not in self._passed:
+            self._passed.add(task)
+            task.add_done_callback(self._passed.discard)
+
+    def reached(self) -> int | None:
+        """The current request reaches the engine: how many others are still on their way."""
+        self.passed()
+        if self._tasks is None:
+            return None
+        return max(0, len(self._tasks) - len(self._passed))
+
+
 class GenerationService:
     def __init__(
-        self, client: AsyncEngineClient, tokenizer: Tokenizer, config: ServeConfig, metrics: Metrics
+        self,
+        client: AsyncEngineClient,
+        tokenizer: Tokenizer,
+        config: ServeConfig,
+        metrics: Metrics,
+        server_tasks: set[asyncio.Task[None]] | None = None,
     ) -> None:
         self.client = client
+        self.on_the_way = OnTheWay(server_tasks)
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
@@ -210,7 +262,8 @@ class GenerationService:
             predicted = self._predict(num_prompt)
         self.admission.requests.add(request.req_id, num_prompt, interactive=interactive, now=start)
         try:
-            async with contextlib.aclosing(await self.client.submit(request)) as outputs:
+            submitted = self.client.submit(request, self.on_the_way.reached())
+            async with contextlib.aclosing(await submitted) as outputs:
                 self.metrics.prompt_tokens.inc(num_prompt)
                 if announce:
                     # Requests that came in with this one (a burst) reach the engine before
