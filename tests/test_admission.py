@@ -19,6 +19,7 @@ from tokenfleet.admission import (
     InFlightRequests,
     StepLimit,
     predict_ttft,
+    step_seconds,
 )
 from tokenfleet.config import EngineConfig
 from tokenfleet.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
@@ -122,11 +123,20 @@ def test_streams_over_the_limit_get_the_floor_and_an_unreachable_target_no_cut()
     assert A + C + D > 2.0**-8
     uncut = StepLimit(2.0**-9, 16, 2.0**-8)
     assert predict_ttft(COEF, 512, 40, (), decodes, limit=uncut) == decode_step + _prefill(40, 0)
-    # Unless the engine's start-up profile says one decode meets it (the engine asks its
-    # profile, harvest.target_reachable): then the decodes alone break the target and the
-    # prompt may add the margin's worth (2^-9 s) to each step, priced by COEF: 7 tokens,
-    # then fewer as its context grows (harvest.with_floor).
-    profile = {**COEF, "intercept": 2.0**-10}
+    # Nor when the start-up profile says one decode meets it but not beside the floor's
+    # 16 tokens of a new prompt (harvest.target_reachable): a cut would crawl.
+    nearly = {**COEF, "intercept": 2.0**-10}
+    profiled = StepFeatures.of_chunks(((1, 0), (16, 0)))
+    assert step_seconds(nearly, StepFeatures.of_chunk(1, 0)) <= 2.0**-8
+    assert step_seconds(nearly, profiled) > 2.0**-8
+    given = predict_ttft(COEF, 512, 40, (), decodes, limit=uncut, profile=nearly)
+    assert given == decode_step + _prefill(40, 0)
+    # Unless the profile says one decode and the floor's chunk meet it (the engine asks its
+    # profile): then the decodes alone break the target and the prompt may add the
+    # margin's worth (2^-9 s) to each step, priced by COEF: 7 tokens, then fewer as its
+    # context grows (harvest.with_floor).
+    profile = {**COEF, "intercept": 2.0**-10, "prefill_tokens": 2.0**-16}
+    assert step_seconds(profile, profiled) <= 2.0**-8
     chunks = [7, 6, 6, 5, 5, 5, 4, 2]
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
     for n, start in zip(chunks[:-1], starts, strict=False):
@@ -325,7 +335,7 @@ class _Engine:
     def is_healthy(self) -> bool:
         return True
 
-    async def submit(self, request: EngineCoreRequest) -> _Outputs:
+    async def submit(self, request: EngineCoreRequest, on_the_way: int | None = None) -> _Outputs:
         queue = self.outputs[request.req_id] = asyncio.Queue()
         return _Outputs(queue)
 

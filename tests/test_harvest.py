@@ -342,6 +342,24 @@ def test_prompts_are_capped_only_while_streams_decode_beside_them() -> None:
         min_tokens=16,
     )
     assert unreachable is None
+    # Nor one that a decode meets but not beside the floor's 16 tokens of a new prompt:
+    # cut to what is left, a burst of short prompts would crawl a few tokens a step.
+    one = MODEL.predict(StepFeatures.of_chunk(1, 0))
+    beside_floor = MODEL.predict(StepFeatures.of_chunks(((1, 0), (16, 0))))
+    nearly_full = (one + beside_floor) / 2
+    assert one <= nearly_full < beside_floor
+    crawl = prefill_budget(
+        MODEL,
+        [decoding, _req("short", 16)],
+        (),
+        max_num_seqs=8,
+        block_size=16,
+        tpot_target_s=nearly_full,
+        margin=0.0,
+        max_tokens=512,
+        min_tokens=16,
+    )
+    assert crawl is None
 
 
 def test_scheduler_caps_prompt_chunks_not_decodes() -> None:

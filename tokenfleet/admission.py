@@ -94,7 +94,9 @@ def predict_ttft(
     priced = LinearStepCost.from_dict(dict(coefficients))
     # As the engine asks it: of its start-up profile's fit (`profile`) when there is one.
     reference = LinearStepCost.from_dict(dict(profile)) if profile else priced
-    reachable = limit is not None and target_reachable(reference, limit.target_seconds)
+    reachable = limit is not None and target_reachable(
+        reference, limit.target_seconds, limit.min_prefill_chunk
+    )
     while True:
         # max(.., 1): with more decodes than budget the engine would stall prefill; never
         # with max_num_seqs under max_num_batched_tokens, and the loop must end.

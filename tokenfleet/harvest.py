@@ -169,7 +169,7 @@ def prefill_budget(
         prompts.append(((num_tokens - 1) // block_size * block_size, num_tokens))
     if not prompts:
         return None
-    if not target_reachable(reference or model, tpot_target_s):
+    if not target_reachable(reference or model, tpot_target_s, min_tokens):
         return None
     limit = step_time_limit(tpot_target_s, margin)
     room = max(0, max_tokens - num_decodes)
@@ -178,16 +178,21 @@ def prefill_budget(
     return min(floor, room)
 
 
-def target_reachable(model: StepCost, tpot_target_s: float) -> bool:
-    """Whether one stream's decode step alone fits the target. When not (a target this
-    hardware cannot meet, like the reference GPU's on a CPU), cutting prompts would only
-    starve them: they are not cut. When it does but the running streams alone take more
-    (their contexts grew), prompts get the floor (with_floor): uncut, a chunk deep into a
-    long prompt would stall every stream for seconds. The engine asks its start-up
+def target_reachable(model: StepCost, tpot_target_s: float, min_tokens: int) -> bool:
+    """Whether one stream's decode step beside the floor's chunk of a new prompt
+    (`min_tokens`) fits the target. When not (a target this hardware cannot meet, like the
+    reference GPU's on a CPU, or one a single decode nearly fills), cutting prompts would
+    only starve them: they are not cut. (Asking of one decode alone let a target 5 ms
+    above it on this CPU cut a burst's 16-token prompts to 3 tokens a step beside one
+    stream: each request of the burst got its first token ~1 s after the one before.)
+    When it does but the running streams alone take more (their contexts grew), prompts
+    get the floor (with_floor): uncut, a chunk deep into a long prompt would stall every
+    stream for seconds. The engine asks its start-up
     profile's fit (`reference`): an online fit over a window of alike steps (three streams
     and a one-token chunk, for minutes) cannot tell the step's fixed cost from the cost
     per decode, and drifted past the target (a measured run: 52 -> 133 ms in 200 steps)."""
-    return model.predict(StepFeatures.of_chunk(1, 0)) <= tpot_target_s
+    step = StepFeatures.of_chunks(((1, 0), (max(min_tokens, 1), 0)))
+    return model.predict(step) <= tpot_target_s
 
 
 def with_floor(

@@ -89,8 +89,10 @@ _REQUEST_TASK: ContextVar[asyncio.Task[Any] | None] = ContextVar(
 class OnTheWay:
     """The HTTP requests the server has taken in that have not reached the engine yet: a
     burst's later requests, still being parsed one after another on this event loop. Sent
-    with each request (AddRequest.on_the_way), so that an idle engine starts its first step
-    as soon as the burst is in, instead of after a guessed pause in arrivals.
+    with each request (AddRequest.on_the_way), so that an idle engine waits for them
+    (within its arrival window) instead of guessing from the pauses between arrivals: a
+    collector pause or a busy core in the gateway would split the burst across two first
+    steps, and the later part would wait a whole step.
 
     `tasks`: the HTTP server's set of request tasks (uvicorn starts one per request once it
     has read the headers, before the request runs; it leaves the set when done); None when
