@@ -251,6 +251,21 @@ def test_a_stream_without_usage_counts_its_content_events() -> None:
     assert record.ttft_s == 1.0 and record.tpot_s == 1.5
 
 
+def test_a_chunk_with_logprobs_and_no_text_is_a_token_arrival() -> None:
+    """A special token (skipped in the text) shows only in the chunk's logprobs."""
+
+    def server(request: httpx.Request) -> httpx.Response:
+        def chunk(text: str, token: str | None) -> dict[str, Any]:
+            logprobs = {"content": [{"token": token, "logprob": -0.1}]} if token else None
+            return {"choices": [{"delta": {"content": text}, "logprobs": logprobs}]}
+
+        chunks = [chunk("a", "a"), chunk("", "<|im_end|>"), chunk("", None), chunk("b", "b")]
+        return httpx.Response(200, content=_sse(*chunks))
+
+    record = _one(server)
+    assert record.token_times_s == [1.0, 2.0, 4.0]
+
+
 def test_an_error_event_in_a_200_stream_is_an_error() -> None:
     def peer(request: httpx.Request) -> httpx.Response:
         content = _sse({"choices": [{"delta": {"content": "a"}}]}, {"error": {"message": "oom"}})

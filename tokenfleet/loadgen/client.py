@@ -125,7 +125,10 @@ def _on_openai(event: dict[str, Any], record: RequestRecord, now: float) -> None
         raise _StreamError(_error_message(event))
     for choice in event.get("choices") or []:
         delta = choice.get("delta") or {}
-        if delta.get("content") or delta.get("reasoning_content"):
+        # With logprobs asked for, a chunk per step also for tokens that show no text
+        # (special ones, a character's first bytes): their arrivals count too.
+        logprobs = (choice.get("logprobs") or {}).get("content")
+        if delta.get("content") or delta.get("reasoning_content") or logprobs:
             record.token_times_s.append(now)
     usage = event.get("usage")
     if usage:
