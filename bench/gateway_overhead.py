@@ -365,6 +365,7 @@ class _Arrivals:
         self.chunks: collections.deque[tuple[float, bytes]] = collections.deque()
         self.ready = asyncio.Event()
         self.closed = False
+        self.wake_on_any = False  # wake the reader on every chunk (a plain reply)
 
     def on_readable(self) -> None:
         ancillary = socket.CMSG_SPACE(_TIMESPEC.size)
@@ -386,7 +387,11 @@ class _Arrivals:
                     seconds, nanoseconds = _TIMESPEC.unpack(value[: _TIMESPEC.size])
                     stamp = seconds + nanoseconds / 1e9
             self.chunks.append((stamp, data))
-            if data.endswith(_LAST_CHUNK) or (len(self.chunks) == 1 and _NOT_OK.match(data)):
+            if (
+                self.wake_on_any
+                or data.endswith(_LAST_CHUNK)
+                or (len(self.chunks) == 1 and _NOT_OK.match(data))
+            ):
                 self.ready.set()
 
 
@@ -430,6 +435,17 @@ class SSEConnection:
         await loop.sock_connect(sock, (self.host, self.port))
         self.sock, self.arrivals, self.buffer = sock, _Arrivals(sock), b""
         loop.add_reader(sock.fileno(), self.arrivals.on_readable)
+        # One round trip before it carries a measured request: the connect returns once the
+        # kernel has the connection, before the gateway's event loop took it in, and a burst
+        # on 32 new connections would otherwise race their setup (a request whose
+        # connection is still being set up comes late and may miss the burst's first step).
+        self.arrivals.wake_on_any = True
+        self.send(f"GET /health HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n\r\n".encode())
+        head, _ = await self.read_until(b"\r\n\r\n")
+        length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+        await self.read_exactly(int(length.group(1)) if length else 0)
+        self.arrivals.wake_on_any = False
+        self.last_used = time.monotonic()
 
     def close(self) -> None:
         if self.sock is not None:

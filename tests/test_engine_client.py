@@ -142,21 +142,24 @@ def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("arrivals", "on_the_way", "window_left_ms", "gap_ms"),
+    ("arrivals", "on_the_way", "window_left_ms", "announced", "gap_ms"),
     [
-        (1, None, 50.0, ARRIVAL_GAP_MS),  # a lone request, the sender cannot tell
-        (2, None, 50.0, BURST_GAP_MS),  # a burst under way: a collector pause may split it
-        (2, 0, 50.0, BURST_GAP_MS),  # the sender saw no more: some may not have been read
-        (1, 0, 50.0, ARRIVAL_GAP_MS),
-        (1, 3, 50.0, 50),  # ...or that more are coming: the rest of the window
-        (1, 3, 12.2, 13),
-        (1, 3, 0.3, 1),
+        (1, None, 50.0, False, ARRIVAL_GAP_MS),  # a lone request, the sender cannot tell
+        (2, None, 50.0, False, BURST_GAP_MS),  # a burst under way: a collector pause may split it
+        (2, 0, 50.0, False, BURST_GAP_MS),  # no more seen: some may not have been read yet
+        (1, 0, 50.0, False, ARRIVAL_GAP_MS),
+        (1, 3, 50.0, False, 50),  # ...or that more are coming: the rest of the window
+        (1, 3, 12.2, False, 13),
+        (1, 3, 0.3, False, 1),
+        (32, 0, 40.0, True, ARRIVAL_GAP_MS),  # the burst the sender announced is in
+        (32, None, 40.0, True, BURST_GAP_MS),  # (a sender that cannot tell: as before)
+        (5, 2, 40.0, True, 40),
     ],
 )
 def test_an_idle_engine_waits_for_what_the_sender_says_is_on_its_way(
-    arrivals: int, on_the_way: int | None, window_left_ms: float, gap_ms: int
+    arrivals: int, on_the_way: int | None, window_left_ms: float, announced: bool, gap_ms: int
 ) -> None:
-    assert arrival_gap_ms(arrivals, on_the_way, window_left_ms) == gap_ms
+    assert arrival_gap_ms(arrivals, on_the_way, window_left_ms, announced) == gap_ms
 
 
 def test_a_request_on_its_way_joins_the_first_step(model_folder: Path) -> None:
