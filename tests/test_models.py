@@ -137,3 +137,42 @@ def test_folder_without_weights_is_a_clear_error(tmp_path: Path) -> None:
         f.unlink()
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors"):
         LLM(str(folder))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_vocab_logits_in_blocks_equal_the_whole_product(rows: int, transposed: bool) -> None:
+    """The CPU float32 logits, in blocks of the vocabulary (and for one row through the
+    transposed copy, where the tuning kept it), are the one product's, to the float: a
+    vocabulary that is not a multiple of the block, and the tied embedding weight."""
+    from tokenfleet.models.config import ModelConfig
+    from tokenfleet.models.llama import VOCAB_BLOCK, LlamaForCausalLM
+
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 2 * VOCAB_BLOCK + 77,
+            "max_position_embeddings": 128,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": True,
+        }
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.tune_vocab_projection()
+    if transposed:
+        model._weight_t = model.lm_head.weight.detach().t().contiguous()
+    else:
+        model._weight_t = None
+    h = torch.randn(rows, 64)
+    with torch.inference_mode():
+        whole = torch.nn.functional.linear(h, model.embed_tokens.weight)
+        got = model.vocab_logits(h)
+    assert got.shape == (rows, 2 * VOCAB_BLOCK + 77)
+    torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-5)
+    assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))

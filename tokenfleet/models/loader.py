@@ -90,4 +90,5 @@ def load_model(
     if missing:
         raise ModelLoadError(f"model folder {folder} lacks weights for {missing[:5]}")
     model.eval()
+    model.tune_vocab_projection()
     return model
