@@ -19,8 +19,6 @@ Writes batch_beside_streams.json and .png into --out.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
 import time
@@ -28,7 +26,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from offline_throughput import machine_info
+from offline_throughput import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams
@@ -188,23 +186,18 @@ def main(argv: list[str] | None = None) -> int:
             f"batch tokens a step {p['batch_tokens_per_step_mean']:.1f}"
         )
     print("\n".join(lines))
-    out = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": date,
-        "machine": machine_info(args.num_threads),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        **result,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / f"{RESULT_NAME}.json", args.out / f"{RESULT_NAME}.png"
-    json_path.write_text(json.dumps(out, indent=1) + "\n")
     limit = f"{args.batch_step_limit:.3f} s" if args.batch_step_limit else "none"
     rates = ", ".join(
         f"{name} {p['batch_tokens_per_s']:.1f}" for name, p in result["phases"].items()
     )
     title = f"TPOT target {args.tpot_target * 1e3:.0f} ms, batch step limit {limit}"
-    plot(png_path, result, f"{title}; batch tok/s: {rates}")
-    print(f"wrote {json_path} and {png_path}")
+    write_results(
+        args,
+        RESULT_NAME,
+        date,
+        result,
+        lambda path: plot(path, result, f"{title}; batch tok/s: {rates}"),
+    )
     return 0
 
 

@@ -17,8 +17,6 @@ Writes batch_engine.json and batch_engine.png into --out.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import statistics
 import sys
 import time
@@ -26,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from offline_throughput import machine_info
+from offline_throughput import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams
@@ -166,18 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             f"tok/s, step median {result['steady_step_s_median']:.3f} s, measured / "
             f"predicted step time {result['steady_measured_over_predicted']:.2f}"
         )
-    out = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": date,
-        "machine": machine_info(args.num_threads),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        **result,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / f"{RESULT_NAME}.json", args.out / f"{RESULT_NAME}.png"
-    json_path.write_text(json.dumps(out, indent=1) + "\n")
-    plot(png_path, result)
-    print(f"wrote {json_path} and {png_path}")
+    write_results(args, RESULT_NAME, date, result, lambda path: plot(path, result))
     return 0
 
 

@@ -40,7 +40,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -512,6 +512,29 @@ def machine_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def write_results(
+    args: argparse.Namespace,
+    name: str,
+    date: str,
+    result: dict[str, Any],
+    plot: Callable[[Path], None],
+) -> None:
+    """`name`.json (the command, date, machine, arguments and `result`) and `name`.png (by
+    `plot`) into `args.out`; `args.num_threads` is the machine's thread setting."""
+    out = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "date": date,
+        "machine": machine_info(args.num_threads),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        **result,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = args.out / f"{name}.json", args.out / f"{name}.png"
+    json_path.write_text(json.dumps(out, indent=1) + "\n")
+    plot(png_path)
+    print(f"wrote {json_path} and {png_path}")
 
 
 def cpu_busy_fraction(interval_s: float = 1.0) -> float | None:

@@ -1,0 +1,146 @@
+"""How fast this CPU multiplies a few rows by the bundled model's weights: the rate of each
+product of a decoder layer and of the logits, at 1 to 64 rows (the rows of a step: decodes
+and prompt tokens), in float32 and bfloat16, and the logits in blocks of the vocabulary as
+the engine computes them (`LlamaForCausalLM.vocab_logits`). It says what a batch token
+beside a stream costs, and why the logits are computed in blocks.
+
+Weights are the model's shapes filled at random; each product is timed `--repeats` times
+after a warm-up and the median kept. The layer weights (14 MB a layer) stay in the CPU's
+caches here, so the layer rates are compute rates; the logits weight (113 MB) does not.
+
+    .venv/bin/python bench/matmul_rows.py          # ~1 minute
+
+Writes matmul_rows.json and matmul_rows.png into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from offline_throughput import write_results
+
+from tokenfleet.models.llama import VOCAB_BLOCK
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64, vocab 49152.
+SHAPES = {
+    "qkv": (576, 576 + 2 * 192),
+    "o": (576, 576),
+    "gate_up": (576, 2 * 1536),
+    "down": (1536, 576),
+    "logits": (576, 49152),
+}
+ROWS = (1, 2, 3, 4, 8, 16, 32, 64)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    return parser.parse_args(argv)
+
+
+def timed(f: Callable[[], Any], repeats: int) -> float:
+    f()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def blocks(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    parts = [
+        F.linear(h, weight[i : i + VOCAB_BLOCK]) for i in range(0, weight.shape[0], VOCAB_BLOCK)
+    ]
+    return torch.cat(parts, dim=1)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.num_threads)
+    torch.manual_seed(0)
+    rows: list[dict[str, Any]] = []
+    with torch.inference_mode():
+        for name, (fan_in, fan_out) in SHAPES.items():
+            weight = torch.randn(fan_out, fan_in)
+            weight16 = weight.to(torch.bfloat16)
+            for m in ROWS:
+                h = torch.randn(m, fan_in)
+                h16 = h.to(torch.bfloat16)
+                flops = 2 * m * weight.numel()
+                repeats = args.repeats if name != "logits" else max(3, args.repeats // 3)
+                row = {
+                    "product": name,
+                    "rows": m,
+                    "float32_s": timed(lambda h=h, w=weight: F.linear(h, w), repeats),
+                    "bfloat16_s": timed(lambda h=h16, w=weight16: F.linear(h, w), repeats),
+                }
+                if name == "logits":
+                    row["float32_blocks_s"] = timed(lambda h=h, w=weight: blocks(h, w), repeats)
+                for key in [k for k in row if k.endswith("_s")]:
+                    row[key.replace("_s", "_gflops")] = flops / row[key] / 1e9
+                rows.append(row)
+                print(
+                    f"{name:8s} {m:3d} rows: float32 {row['float32_s'] * 1e3:7.2f} ms "
+                    f"({row['float32_gflops']:5.1f} GFLOP/s), bfloat16 "
+                    f"{row['bfloat16_s'] * 1e3:7.2f} ms"
+                    + (
+                        f", float32 in blocks {row['float32_blocks_s'] * 1e3:7.2f} ms"
+                        if "float32_blocks_s" in row
+                        else ""
+                    ),
+                    flush=True,
+                )
+    return {"rows": rows}
+
+
+def plot(path: Path, result: dict[str, Any]) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    for name in SHAPES:
+        chosen = [r for r in result["rows"] if r["product"] == name]
+        if name != "logits":
+            left.plot(
+                [r["rows"] for r in chosen], [r["float32_gflops"] for r in chosen], "o-", label=name
+            )
+    left.set_xscale("log", base=2)
+    left.set_xlabel("rows")
+    left.set_ylabel("float32 GFLOP/s (layer products)")
+    left.legend()
+    logits = [r for r in result["rows"] if r["product"] == "logits"]
+    ms = [r["rows"] for r in logits]
+    for key, label in (
+        ("float32_s", "float32, one product"),
+        ("float32_blocks_s", f"float32, blocks of {VOCAB_BLOCK}"),
+        ("bfloat16_s", "bfloat16"),
+    ):
+        right.plot(ms, [r[key] * 1e3 for r in logits], "o-", label=label)
+    right.set_xscale("log", base=2)
+    right.set_xlabel("rows")
+    right.set_ylabel("logits product, ms")
+    right.legend()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    date = datetime.now(UTC).isoformat(timespec="seconds")
+    result = run(args)
+    write_results(args, "matmul_rows", date, result, lambda path: plot(path, result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
