@@ -26,13 +26,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from batch_engine import add_batch
 from offline_throughput import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.loadgen.workload import WorkloadConfig, build_workload, prompt_text
+from tokenfleet.loadgen.workload import prompt_text
 from tokenfleet.outputs import EngineCoreRequest
-from tokenfleet.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from tokenfleet.request import PRIORITY_INTERACTIVE
 
 RESULT_NAME = "batch_beside_streams"
 
@@ -63,17 +64,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    workload = WorkloadConfig(
-        rate=0.0,
-        duration_s=1.0,
-        num_batch=args.num_requests,
-        max_model_len=args.max_model_len,
-        prompt_len_median=128,  # mixed_load's workload
-        output_len_median=32,
-        length_tail=1.0,
-        seed=args.seed,
-    )
-    specs = [s for s in build_workload(workload) if s.kind == "batch"]
     llm = LLM(
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
@@ -83,11 +73,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         harvest_margin=args.harvest_margin,
         batch_step_limit_s=args.batch_step_limit or None,
     )
+    workload, specs, _ = add_batch(
+        llm, args.num_requests, max_model_len=args.max_model_len, seed=args.seed
+    )
     core, tokenizer = llm.engine, llm.tokenizer
-    for i, spec in enumerate(specs):
-        ids = tokenizer.encode(prompt_text(workload, spec))
-        params = SamplingParams(max_tokens=spec.output_len, temperature=0, ignore_eos=True)
-        core.add_request(EngineCoreRequest(f"b{i}", ids, params, time.monotonic(), PRIORITY_BATCH))
     prompt = tokenizer.encode(prompt_text(workload, specs[0]) * 8)[: args.interactive_prompt_len]
     interactive = SamplingParams(
         max_tokens=args.interactive_output_len, temperature=0, ignore_eos=True

@@ -28,7 +28,12 @@ from offline_throughput import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.loadgen.workload import WorkloadConfig, build_workload, prompt_text
+from tokenfleet.loadgen.workload import (
+    RequestSpec,
+    WorkloadConfig,
+    build_workload,
+    prompt_text,
+)
 from tokenfleet.outputs import EngineCoreRequest
 from tokenfleet.request import PRIORITY_BATCH
 
@@ -54,32 +59,57 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def add_batch(
+    llm: LLM,
+    num_requests: int,
+    *,
+    max_model_len: int,
+    prompt_len_median: int = 128,
+    output_len_median: int = 32,
+    length_tail: float = 1.0,
+    seed: int = 0,
+) -> tuple[WorkloadConfig, list[RequestSpec], int]:
+    """Add the mixed-load benchmark's batch (its seeded lengths and prompt texts; the
+    defaults are mixed_load's) to `llm`'s engine as batch requests b0, b1, ...: the
+    workload, its batch requests and their prompt tokens."""
     workload = WorkloadConfig(
         rate=0.0,
         duration_s=1.0,
-        num_batch=args.num_requests,
-        max_model_len=args.max_model_len,
-        prompt_len_median=args.prompt_len_median,
-        output_len_median=args.output_len_median,
-        length_tail=args.length_tail,
-        seed=args.seed,
+        num_batch=num_requests,
+        max_model_len=max_model_len,
+        prompt_len_median=prompt_len_median,
+        output_len_median=output_len_median,
+        length_tail=length_tail,
+        seed=seed,
     )
     specs = [s for s in build_workload(workload) if s.kind == "batch"]
+    prompt_tokens = 0
+    for i, spec in enumerate(specs):
+        ids = llm.tokenizer.encode(prompt_text(workload, spec))
+        prompt_tokens += len(ids)
+        params = SamplingParams(max_tokens=spec.output_len, temperature=0, ignore_eos=True)
+        request = EngineCoreRequest(f"b{i}", ids, params, time.monotonic(), PRIORITY_BATCH)
+        llm.engine.add_request(request)
+    return workload, specs, prompt_tokens
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(
         num_threads=args.num_threads,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
-    core, tokenizer = llm.engine, llm.tokenizer
-    prompt_tokens = 0
-    for i, spec in enumerate(specs):
-        ids = tokenizer.encode(prompt_text(workload, spec))
-        prompt_tokens += len(ids)
-        params = SamplingParams(max_tokens=spec.output_len, temperature=0, ignore_eos=True)
-        request = EngineCoreRequest(f"b{i}", ids, params, time.monotonic(), PRIORITY_BATCH)
-        core.add_request(request)
+    _, specs, prompt_tokens = add_batch(
+        llm,
+        args.num_requests,
+        max_model_len=args.max_model_len,
+        prompt_len_median=args.prompt_len_median,
+        output_len_median=args.output_len_median,
+        length_tail=args.length_tail,
+        seed=args.seed,
+    )
+    core = llm.engine
     steady_at = args.max_num_seqs * 7 // 8
     steps: list[dict[str, float]] = []
     started = time.perf_counter()

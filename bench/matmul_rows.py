@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from offline_throughput import write_results
 
-from tokenfleet.models.llama import VOCAB_BLOCK
+from tokenfleet.models.llama import VOCAB_BLOCK, vocab_blocks
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64, vocab 49152.
 SHAPES = {
@@ -59,13 +59,6 @@ def timed(f: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def blocks(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    parts = [
-        F.linear(h, weight[i : i + VOCAB_BLOCK]) for i in range(0, weight.shape[0], VOCAB_BLOCK)
-    ]
-    return torch.cat(parts, dim=1)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(0)
@@ -86,7 +79,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     "bfloat16_s": timed(lambda h=h16, w=weight16: F.linear(h, w), repeats),
                 }
                 if name == "logits":
-                    row["float32_blocks_s"] = timed(lambda h=h, w=weight: blocks(h, w), repeats)
+                    row["float32_blocks_s"] = timed(
+                        lambda h=h, w=weight: vocab_blocks(h, w), repeats
+                    )
                 for key in [k for k in row if k.endswith("_s")]:
                     row[key.replace("_s", "_gflops")] = flops / row[key] / 1e9
                 rows.append(row)

@@ -143,7 +143,7 @@ def test_folder_without_weights_is_a_clear_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("transposed", [False, True])
 def test_vocab_logits_in_blocks_equal_the_whole_product(rows: int, transposed: bool) -> None:
     """The CPU float32 logits, in blocks of the vocabulary (and for one row through the
-    transposed copy, where the tuning kept it), are the one product's, to the float: a
+    transposed copy, where tune_vocab_projection keeps it), are the one product's, to the float: a
     vocabulary that is not a multiple of the block, and the tied embedding weight."""
     from tokenfleet.models.config import ModelConfig
     from tokenfleet.models.llama import VOCAB_BLOCK, LlamaForCausalLM
@@ -163,12 +163,9 @@ def test_vocab_logits_in_blocks_equal_the_whole_product(rows: int, transposed: b
         }
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.tune_vocab_projection()
+    model = LlamaForCausalLM(config)  # no transposed copy until set here
     if transposed:
         model._weight_t = model.lm_head.weight.detach().t().contiguous()
-    else:
-        model._weight_t = None
     h = torch.randn(rows, 64)
     with torch.inference_mode():
         whole = torch.nn.functional.linear(h, model.embed_tokens.weight)

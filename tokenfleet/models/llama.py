@@ -104,6 +104,14 @@ class DecoderLayer(nn.Module):
 VOCAB_BLOCK = 1024
 
 
+def vocab_blocks(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h @ weight.T, VOCAB_BLOCK rows of `weight` at a time (the same sums as one product)."""
+    blocks = [
+        F.linear(h, weight[i : i + VOCAB_BLOCK]) for i in range(0, weight.shape[0], VOCAB_BLOCK)
+    ]
+    return torch.cat(blocks, dim=1)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, use_kernel: bool = True) -> None:
         super().__init__()
@@ -139,15 +147,11 @@ class LlamaForCausalLM(nn.Module):
         on an AMD EPYC, one thread: 2 rows 24.8 -> 16.1 ms, 8 rows 20.9 -> 15.9, 64 rows 62.9
         -> 49.7), with the same sums; one row goes through the transposed copy where
         `tune_vocab_projection` found that faster (11.3 -> 5.8 ms there)."""
-        weight = self.lm_head.weight
         if h.device.type != "cpu" or h.dtype != torch.float32:
             return self.lm_head(h)
         if h.shape[0] == 1 and self._weight_t is not None:
             return h @ self._weight_t
-        blocks = [
-            F.linear(h, weight[i : i + VOCAB_BLOCK]) for i in range(0, weight.shape[0], VOCAB_BLOCK)
-        ]
-        return torch.cat(blocks, dim=1)
+        return vocab_blocks(h, self.lm_head.weight)
 
     def tune_vocab_projection(self, repeats: int = 3) -> None:
         """Keep a transposed copy of the vocabulary's weight for one-row products (a decode
