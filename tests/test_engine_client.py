@@ -10,14 +10,22 @@ import signal
 from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import CacheConfig, EngineConfig
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
 from tokenfleet.engine_proc import ARRIVAL_GAP_MS, BURST_GAP_MS, arrival_gap_ms
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.outputs import EngineCoreOutput, EngineCoreRequest
+from tokenfleet.outputs import (
+    AbortRequests,
+    AddRequests,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineInput,
+)
 from tokenfleet.server.service import OnTheWay
 
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30], [1, 4093, 198, 19842, 2]]
@@ -163,7 +171,7 @@ def test_an_idle_engine_waits_for_what_the_sender_says_is_on_its_way(
 
 
 def test_a_request_on_its_way_joins_the_first_step(model_folder: Path) -> None:
-    """An idle engine told that another request is on its way (AddRequest.on_the_way)
+    """An idle engine told that another request is on its way (AddRequests.on_the_way)
     waits for it within its arrival window (here 100 ms: the last step was a long prefill)
     and starts one step with both; told that none is, it waits ARRIVAL_GAP_MS and a request
     50 ms later gets a step of its own. Outputs of one step share their `arrived`."""
@@ -230,5 +238,58 @@ def test_on_the_way_counts_the_server_requests_not_yet_at_the_engine() -> None:
         assert not tasks
         assert way.reached() == 0  # not a server request (the batch dispatcher): not counted
         assert OnTheWay(None).reached() is None  # a server that does not expose its tasks
+
+    asyncio.run(main())
+
+
+def test_requests_submitted_in_one_turn_reach_the_engine_in_two_messages(
+    model_folder: Path,
+) -> None:
+    """A turn of the event loop's first request goes at once (the engine starts its arrival
+    window on it, told how many are on their way); the turn's later ones go together at its
+    end, in order; an abort in the same turn goes after the requests it may name. The
+    engine's end of the socket is read here (no engine process)."""
+    params = SamplingParams(max_tokens=2, temperature=0)
+    decoder = msgspec.msgpack.Decoder(EngineInput)
+
+    async def main() -> None:
+        client = AsyncEngineClient(_config(model_folder))
+        engine_end = zmq.Context.instance().socket(zmq.PULL)
+        engine_end.bind("inproc://tokenfleet-test-turns")
+        client._input = zmq.Context.instance().socket(zmq.PUSH)
+        client._input.connect("inproc://tokenfleet-test-turns")
+        client.is_healthy = lambda: True  # type: ignore[method-assign]
+
+        def received() -> list[tuple[str, list[str], int | None]]:
+            out = []
+            while engine_end.poll(100):
+                message = decoder.decode(engine_end.recv())
+                if isinstance(message, AddRequests):
+                    ids = [r.req_id for r in message.requests]
+                    out.append(("add", ids, message.on_the_way))
+                elif isinstance(message, AbortRequests):
+                    out.append(("abort", message.req_ids, None))
+            return out
+
+        try:
+            for i in range(4):
+                await client.submit(EngineCoreRequest(f"r{i}", PROMPTS[0], params, 0.0), 3 - i)
+            assert received() == [("add", ["r0"], 3)]  # the rest wait for the turn's end
+            await asyncio.sleep(0)
+            assert received() == [("add", ["r1", "r2", "r3"], 0)]
+            await client.submit(EngineCoreRequest("r4", PROMPTS[0], params, 0.0))
+            await client.submit(EngineCoreRequest("r5", PROMPTS[0], params, 0.0))
+            await client.abort(["r5"])
+            assert received() == [
+                ("add", ["r4"], None),
+                ("add", ["r5"], None),
+                ("abort", ["r5"], None),
+            ]
+            await asyncio.sleep(0)
+            assert received() == []
+        finally:
+            client._input.close(linger=0)
+            engine_end.close(linger=0)
+            client._ctx.destroy(linger=0)
 
     asyncio.run(main())

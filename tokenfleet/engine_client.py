@@ -26,7 +26,7 @@ from tokenfleet.config import EngineConfig
 from tokenfleet.errors import InvalidRequestError, TokenfleetError
 from tokenfleet.outputs import (
     AbortRequests,
-    AddRequest,
+    AddRequests,
     EngineCoreOutput,
     EngineCoreRequest,
     EngineMessage,
@@ -84,6 +84,11 @@ class AsyncEngineClient:
         self._settle_waiters: list[asyncio.Future[None]] = []
         self._quiet_timer: asyncio.TimerHandle | None = None
         self._last_submit = 0.0
+        # The first request submitted in a turn of the event loop goes at once; the turn's
+        # later ones wait here and go together at its end (_flush_adds).
+        self._turn_open = False
+        self._adds: list[EngineCoreRequest] = []
+        self._adds_on_the_way: int | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -166,6 +171,7 @@ class AsyncEngineClient:
 
     def _fail_all(self, error: Exception) -> None:
         self._settle()
+        self._adds = []  # failed below: never to be sent to the next engine
         self._ready.clear()
         self.stats = None  # the dead engine's gauges are no longer true
         for queue in self._queues.values():
@@ -196,7 +202,9 @@ class AsyncEngineClient:
     async def submit(
         self, request: EngineCoreRequest, on_the_way: int | None = None
     ) -> RequestOutputs:
-        """Send the request to the engine now; its outputs come from the returned iterator.
+        """Send the request to the engine (now, or at the end of this turn of the event loop
+        with the others submitted after the turn's first); its outputs come from the
+        returned iterator.
         The caller starts its reply meanwhile (a streamed response's headers during the
         prefill), and closes the iterator when done: early, that aborts the request.
         `on_the_way`: how many more requests the caller has taken in and will submit
@@ -207,11 +215,18 @@ class AsyncEngineClient:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use")
         queue: asyncio.Queue[Arrival | Exception] = asyncio.Queue()
         self._queues[request.req_id] = queue
-        try:
-            await self._send(AddRequest(request, on_the_way))
-        except BaseException:
-            del self._queues[request.req_id]
-            raise
+        if self._turn_open:
+            self._adds.append(request)
+            self._adds_on_the_way = on_the_way
+        else:
+            # The engine starts its arrival window on this one, told how many are coming.
+            try:
+                self._send_now(AddRequests([request], on_the_way))
+            except BaseException:
+                del self._queues[request.req_id]
+                raise
+            self._turn_open = True
+            asyncio.get_running_loop().call_soon(self._flush_adds)
         self._last_submit = time.monotonic()
         if self._quiet_timer is None:
             self._quiet_timer = asyncio.get_running_loop().call_later(QUIET_S, self._check_quiet)
@@ -251,7 +266,27 @@ class AsyncEngineClient:
         with contextlib.suppress(EngineDeadError):  # a dead engine has freed everything
             await self._send(AbortRequests(req_ids))
 
-    async def _send(self, message: AddRequest | AbortRequests | Shutdown) -> None:
+    def _flush_adds(self) -> None:
+        """At the end of a turn of the event loop, send what was submitted in it after its
+        first request, as one message: the rest of a burst (each HTTP request's task submits
+        in turn) reaches the engine together, one wake-up of each side for all of it."""
+        self._turn_open = False
+        requests, self._adds = self._adds, []
+        if not requests:
+            return
+        try:
+            self._send_now(AddRequests(requests, self._adds_on_the_way))
+        except EngineDeadError as exc:
+            for request in requests:
+                queue = self._queues.get(request.req_id)
+                if queue is not None:
+                    queue.put_nowait(exc)
+
+    async def _send(self, message: AbortRequests | Shutdown) -> None:
+        self._flush_adds()  # an abort of a request submitted in this turn comes after it
+        self._send_now(message)
+
+    def _send_now(self, message: AddRequests | AbortRequests | Shutdown) -> None:
         # Never wait: a PUSH socket with no engine connected (dead, or exiting) would block
         # the sender forever. The queue itself is unbounded (SNDHWM 0).
         assert self._input is not None, "send before start"

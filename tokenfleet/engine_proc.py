@@ -1,7 +1,7 @@
 """The engine process: an EngineCore driven over ZMQ, one message out per engine step.
 
     gateway --PUSH ipc://.../in--> [engine process] --PUSH ipc://.../out--> gateway
-             AddRequest | AbortRequests | Shutdown      EngineReady, then StepOutputs per step
+             AddRequests | AbortRequests | Shutdown     EngineReady, then StepOutputs per step
                                                          (an empty one every heartbeat when idle)
 
 Inputs are drained between steps, never during one. Run as
@@ -26,7 +26,7 @@ from tokenfleet.core import EngineCore
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.outputs import (
     AbortRequests,
-    AddRequest,
+    AddRequests,
     EngineCoreOutputs,
     EngineInput,
     EngineReady,
@@ -125,15 +125,17 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                     return
                 if isinstance(message, AbortRequests):
                     core.abort(message.req_ids)
-                elif isinstance(message, AddRequest):
-                    arrivals += 1
-                    announced = announced or bool(on_the_way)
+                elif isinstance(message, AddRequests):
+                    arrivals += len(message.requests)
+                    # Requests sent together came together: the sender saw a burst.
+                    announced = announced or bool(on_the_way) or len(message.requests) > 1
                     on_the_way = message.on_the_way
-                    try:
-                        core.add_request(message.request)
-                    except InvalidRequestError as exc:
-                        rejected = RequestRejected(message.request.req_id, exc.message, exc.param)
-                        outputs.send(encoder.encode(rejected))
+                    for request in message.requests:
+                        try:
+                            core.add_request(request)
+                        except InvalidRequestError as exc:
+                            rejected = RequestRejected(request.req_id, exc.message, exc.param)
+                            outputs.send(encoder.encode(rejected))
         if core.has_unfinished_requests() or core.has_pending_outputs():
             started = time.monotonic()
             outputs.send(encoder.encode(StepOutputs(core.step())))

@@ -94,11 +94,14 @@ class ModelRunnerOutput(msgspec.Struct):
 # -- the engine process's wire protocol (ZMQ, msgpack) -----------------------------------
 
 
-class AddRequest(msgspec.Struct, tag="add"):
-    request: EngineCoreRequest
+class AddRequests(msgspec.Struct, tag="add"):
+    # What the sender submitted in one turn of its event loop, in order: a burst's requests
+    # travel together, one message and one wake-up of each side's I/O for all of them.
+    requests: list[EngineCoreRequest]
     # How many more requests the sender has taken in and not sent yet (HTTP requests the
-    # gateway is still parsing): an idle engine waits for them before its first step. None:
-    # the sender cannot tell, so the engine guesses from the gaps between arrivals.
+    # gateway is still parsing), counted as it submitted the last of these: an idle engine
+    # waits for them before its first step. None: the sender cannot tell, so the engine
+    # guesses from the gaps between arrivals.
     on_the_way: int | None = None
 
 
@@ -110,7 +113,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | Shutdown
+EngineInput = AddRequests | AbortRequests | Shutdown
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

@@ -89,7 +89,7 @@ _REQUEST_TASK: ContextVar[asyncio.Task[Any] | None] = ContextVar(
 class OnTheWay:
     """The HTTP requests the server has taken in that have not reached the engine yet: a
     burst's later requests, still being parsed one after another on this event loop. Sent
-    with each request (AddRequest.on_the_way), so that an idle engine waits for them
+    with each request (AddRequests.on_the_way), so that an idle engine waits for them
     (within its arrival window) instead of guessing from the pauses between arrivals: a
     collector pause or a busy core in the gateway would split the burst across two first
     steps, and the later part would wait a whole step.
