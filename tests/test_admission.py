@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
+from tokenfleet import admission
 from tokenfleet.admission import (
     AdmissionControl,
     Decodes,
@@ -95,6 +97,53 @@ def test_running_decodes_take_budget_first_and_batch_rides_in_what_is_left() -> 
     # 2 batch decodes ride along in the 418 left.
     step2 = A + (3 * C + 3003 * D) + _prefill(91, 509) + (2 * C + 1000 * D)
     assert predict_ttft(COEF, 512, 600, (), interactive, batch) == step1 + step2
+
+
+# The start-up profile's coefficients of a run on this CPU (bench/gateway_overhead.py).
+PROFILED = {
+    "intercept": 0.0508,
+    "prefill_tokens": 0.00239,
+    "decode_seqs": 0.00338,
+    "kv_tokens_read": 9.11e-06,
+    "prefill_attention": 8.99e-07,
+}
+
+
+def test_a_replay_past_max_steps_goes_on_in_strides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt of 1,000 tokens in chunks of 10 takes 100 steps: with `max_steps` 4 the
+    replay plans 4 steps one by one and the rest in at most 4 strides of steps with the
+    same plan, each step priced at its own contexts: exact, as the cost is linear in them.
+    A whole-context prompt cut to the step limit beside 3 streams (~7,000 steps, chunks
+    shrinking as its context grows) comes within 3% of the whole replay, below it."""
+    plans = 0
+    plan = admission._plan_prompts
+
+    def counted(*args: Any) -> Any:
+        nonlocal plans
+        plans += 1
+        return plan(*args)
+
+    monkeypatch.setattr(admission, "_plan_prompts", counted)
+    estimate = predict_ttft(COEF, 10, 1000, max_steps=4)
+    assert plans <= 8
+    whole = sum(A + _prefill(10, 10 * i) for i in range(100))
+    assert estimate == pytest.approx(whole, rel=1e-12)
+    # A prompt ahead ends inside the strides: the step with its last chunk is its own.
+    assert predict_ttft(COEF, 10, 10, [995], max_steps=4) == pytest.approx(
+        predict_ttft(COEF, 10, 10, [995], max_steps=200), rel=1e-12
+    )
+
+    limit = StepLimit(0.119, 16, 0.1326)
+    streams = Decodes(3, 3 * 600)
+    plans = 0
+    estimate = predict_ttft(PROFILED, 512, 8191, (), streams, limit=limit, profile=PROFILED)
+    assert plans <= 2 * admission.MAX_REPLAY_STEPS + 2
+    plans = 0
+    whole = predict_ttft(
+        PROFILED, 512, 8191, (), streams, limit=limit, profile=PROFILED, max_steps=10**6
+    )
+    assert plans > 5000
+    assert 0.97 * whole < estimate < whole
 
 
 def test_a_one_token_chunk_is_priced_as_the_decode_the_runner_makes_of_it() -> None:

@@ -28,6 +28,11 @@ from dataclasses import dataclass
 from tokenfleet.harvest import pack, target_reachable, with_floor
 from tokenfleet.step_model import TERMS, LinearStepCost, StepFeatures
 
+# predict_ttft replays this many steps one by one, then at most as many strides of several
+# alike steps (a few ms of the gateway's event loop, where every stream's events wait; at
+# the default targets it stops sooner).
+MAX_REPLAY_STEPS = 64
+
 
 @dataclass(frozen=True, slots=True)
 class Decodes:
@@ -67,6 +72,7 @@ def predict_ttft(
     profile: Mapping[str, float] | None = None,
     long_prefill_cap: int = 0,
     stop_over: float = math.inf,
+    max_steps: int = MAX_REPLAY_STEPS,
 ) -> float:
     """Seconds until a new interactive prompt of `num_prompt_tokens` is prefilled, behind
     the interactive `prompts_ahead` (oldest first) and with the given running decodes.
@@ -82,7 +88,14 @@ def predict_ttft(
     The replay stops at the first step that takes the total over `stop_over`: the answer
     is then a lower bound over it, which is all admission needs to know, and the replay
     stays short (behind a whole-context prompt cut to a few tokens a step it would run
-    thousands of steps, hundreds of ms of the gateway's event loop)."""
+    thousands of steps, hundreds of ms of the gateway's event loop). Under a target so far
+    off that it has not stopped after `max_steps` steps, the rest is replayed in at most as
+    many strides: a stride repeats one step's plan as many times as finishes the prompts
+    in the strides left (never through a prompt's last chunk: that step is replayed
+    alone), each step priced with its contexts as far on as they are by then (the cost is
+    linear in them: the mean of the first and last step's). What it leaves out is the plan
+    itself changing within a stride (chunks cut to the step limit shrink as contexts grow:
+    it errs low)."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
     # [tokens scheduled, prompt length] of each prompt still to prefill, oldest first.
@@ -91,6 +104,7 @@ def predict_ttft(
     num_i, kv_i = interactive.num_seqs, interactive.num_kv_tokens
     num_b, kv_b = batch.num_seqs, batch.num_kv_tokens
     total = 0.0
+    steps = 0
     priced = LinearStepCost.from_dict(dict(coefficients))
     # As the engine asks it: of its start-up profile's fit (`profile`) when there is one.
     reference = LinearStepCost.from_dict(dict(profile)) if profile else priced
@@ -119,22 +133,49 @@ def predict_ttft(
                 ),
             )
         planned, budget = _plan_prompts(prefills, budget, long_prefill_cap)
-        step += StepFeatures.of_chunks([(num_new, prompt[0]) for prompt, num_new in planned])
+        stride = _stride(prefills, planned, 2 * max_steps - steps) if steps >= max_steps else 1
+        in_flight = num_b > 0 if batch_in_flight is None else batch_in_flight
+        first = step + StepFeatures.of_chunks([(n, p[0]) for p, n in planned])
+        seconds, riding = _with_batch(coefficients, first, budget, batch, kv_b, limit, in_flight)
+        if stride > 1:
+            # Its last step reads every context k tokens further on; the cost is linear in
+            # them, so the stride's mean step is the mean of its first and last.
+            k = stride - 1
+            last = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i + num_i * k)
+            last += StepFeatures.of_chunks([(n, p[0] + n * k) for p, n in planned])
+            kv_batch = kv_b + riding * k
+            last_seconds, _ = _with_batch(
+                coefficients, last, budget, batch, kv_batch, limit, in_flight
+            )
+            seconds = (seconds + last_seconds) / 2
         joined, joined_kv = 0, 0
         for prompt, num_new in planned:
-            prompt[0] += num_new
+            prompt[0] += num_new * stride
             if prompt[0] == prompt[1]:
                 # Its first token is sampled now; next step it decodes at its length.
                 joined, joined_kv = joined + 1, joined_kv + prompt[1] + 1
         prefills = deque(p for p in prefills if p[0] < p[1])
-        in_flight = num_b > 0 if batch_in_flight is None else batch_in_flight
-        seconds, riding = _with_batch(coefficients, step, budget, batch, kv_b, limit, in_flight)
-        total += seconds
+        total += seconds * stride
         if mine[0] == mine[1] or total > stop_over:
             return total
-        kv_i += num_i + joined_kv
+        steps += 1
+        kv_i += num_i * stride + joined_kv
         num_i += joined
-        kv_b += riding
+        kv_b += riding * stride
+
+
+def _stride(
+    prefills: Sequence[list[int]], planned: Sequence[tuple[list[int], int]], strides_left: int
+) -> int:
+    """How many times to repeat a step's plan (`planned`, before it is applied): enough to
+    prefill what is left of the prompts in `strides_left` such strides, but never through a
+    prompt's last chunk (1 where this step ends one)."""
+    per_step = sum(num_new for _, num_new in planned)
+    if not per_step:
+        return 1
+    left = sum(n - done for done, n in prefills)
+    want = math.ceil(left / (per_step * max(strides_left, 1)))
+    return max(1, min(want, *((p[1] - p[0]) // num_new for p, num_new in planned)))
 
 
 def _with_batch(
