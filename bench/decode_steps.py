@@ -17,12 +17,11 @@ import argparse
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
-from offline_throughput import write_results
+from offline_throughput import run_and_write
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.models.llama import LlamaForCausalLM
@@ -108,10 +107,7 @@ def plot(path: Path, result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    date = datetime.now(UTC).isoformat(timespec="seconds")
-    result = run(args)
-    write_results(args, "decode_steps", date, result, lambda path: plot(path, result))
+    run_and_write(parse_args(argv), "decode_steps", run, plot)
     return 0
 
 

@@ -20,13 +20,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from offline_throughput import write_results
+from offline_throughput import run_and_write
 
 from tokenfleet.models.llama import VOCAB_BLOCK, vocab_blocks
 
@@ -130,10 +129,7 @@ def plot(path: Path, result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    date = datetime.now(UTC).isoformat(timespec="seconds")
-    result = run(args)
-    write_results(args, "matmul_rows", date, result, lambda path: plot(path, result))
+    run_and_write(parse_args(argv), "matmul_rows", run, plot)
     return 0
 
 

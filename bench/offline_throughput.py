@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -512,6 +513,19 @@ def machine_info(threads: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+def run_and_write(
+    args: argparse.Namespace,
+    name: str,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    plot: Callable[[Path, dict[str, Any]], None],
+) -> dict[str, Any]:
+    """`run(args)`, dated when it starts, then its result written (write_results)."""
+    date = datetime.now(UTC).isoformat(timespec="seconds")
+    result = run(args)
+    write_results(args, name, date, result, lambda path: plot(path, result))
+    return result
 
 
 def write_results(
