@@ -150,24 +150,31 @@ def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("arrivals", "on_the_way", "window_left_ms", "announced", "gap_ms"),
+    ("arrivals", "on_the_way", "window_left_ms", "announced", "checked", "gap_ms"),
     [
-        (1, None, 50.0, False, ARRIVAL_GAP_MS),  # a lone request, the sender cannot tell
-        (2, None, 50.0, False, BURST_GAP_MS),  # a burst under way: a collector pause may split it
-        (2, 0, 50.0, False, BURST_GAP_MS),  # no more seen: some may not have been read yet
-        (1, 0, 50.0, False, ARRIVAL_GAP_MS),
-        (1, 3, 50.0, False, 50),  # ...or that more are coming: the rest of the window
-        (1, 3, 12.2, False, 13),
-        (1, 3, 0.3, False, 1),
-        (32, 0, 40.0, True, ARRIVAL_GAP_MS),  # the burst the sender announced is in
-        (32, None, 40.0, True, BURST_GAP_MS),  # (a sender that cannot tell: as before)
-        (5, 2, 40.0, True, 40),
+        (1, None, 50.0, False, False, ARRIVAL_GAP_MS),  # a lone request, the sender cannot tell
+        (2, None, 50.0, False, False, BURST_GAP_MS),  # a burst under way: a pause may split it
+        (2, 0, 50.0, False, False, BURST_GAP_MS),  # no more seen: some may not have been read yet
+        (1, 0, 50.0, False, False, ARRIVAL_GAP_MS),
+        (1, 0, 50.0, False, True, ARRIVAL_GAP_MS),  # (the client may have stalled after one)
+        (1, 3, 50.0, False, False, 50),  # ...or that more are coming: the rest of the window
+        (1, 3, 12.2, False, False, 13),
+        (1, 3, 0.3, False, True, 1),
+        (32, 0, 40.0, True, False, ARRIVAL_GAP_MS),  # the burst the sender announced is in
+        (32, 0, 40.0, True, True, 0),  # ...counted after a fresh poll of its sockets: go
+        (32, None, 40.0, True, False, BURST_GAP_MS),  # (a sender that cannot tell: as before)
+        (5, 2, 40.0, True, True, 40),
     ],
 )
 def test_an_idle_engine_waits_for_what_the_sender_says_is_on_its_way(
-    arrivals: int, on_the_way: int | None, window_left_ms: float, announced: bool, gap_ms: int
+    arrivals: int,
+    on_the_way: int | None,
+    window_left_ms: float,
+    announced: bool,
+    checked: bool,
+    gap_ms: int,
 ) -> None:
-    assert arrival_gap_ms(arrivals, on_the_way, window_left_ms, announced) == gap_ms
+    assert arrival_gap_ms(arrivals, on_the_way, window_left_ms, announced, checked) == gap_ms
 
 
 def test_a_request_on_its_way_joins_the_first_step(model_folder: Path) -> None:
@@ -227,8 +234,10 @@ def test_on_the_way_counts_the_server_requests_not_yet_at_the_engine() -> None:
         while len(counts) < 3:  # all four entered, then each submitted in turn
             await asyncio.sleep(0)
         assert counts == {"a": 2, "b": 1, "c": 0}
+        assert way.count() == 0  # (as the engine client counts at the end of a turn)
         start("d")
         start("e")
+        assert way.count() == 2  # taken in, not run yet
         while len(counts) < 5:
             await asyncio.sleep(0)
         assert counts["d"] == 1 and counts["e"] == 0
@@ -238,6 +247,7 @@ def test_on_the_way_counts_the_server_requests_not_yet_at_the_engine() -> None:
         assert not tasks
         assert way.reached() == 0  # not a server request (the batch dispatcher): not counted
         assert OnTheWay(None).reached() is None  # a server that does not expose its tasks
+        assert OnTheWay(None).count() is None
 
     asyncio.run(main())
 
@@ -246,9 +256,12 @@ def test_requests_submitted_in_one_turn_reach_the_engine_in_two_messages(
     model_folder: Path,
 ) -> None:
     """A turn of the event loop's first request goes at once (the engine starts its arrival
-    window on it, told how many are on their way); the turn's later ones go together at its
-    end, in order; an abort in the same turn goes after the requests it may name. The
-    engine's end of the socket is read here (no engine process)."""
+    window on it, told how many are on their way); the turn's later ones go together two
+    turns later, in order, once the loop has polled its sockets again; an abort in the same
+    turn goes after the requests it may name. With the gateway's count (count_on_the_way),
+    the later message carries the count made then, `checked`, and goes even with no request
+    when the last message said some were coming. The engine's end of the socket is read
+    here (no engine process)."""
     params = SamplingParams(max_tokens=2, temperature=0)
     decoder = msgspec.msgpack.Decoder(EngineInput)
 
@@ -260,32 +273,54 @@ def test_requests_submitted_in_one_turn_reach_the_engine_in_two_messages(
         client._input.connect("inproc://tokenfleet-test-turns")
         client.is_healthy = lambda: True  # type: ignore[method-assign]
 
-        def received() -> list[tuple[str, list[str], int | None]]:
+        def received() -> list[tuple[str, list[str], int | None, bool]]:
             out = []
             while engine_end.poll(100):
                 message = decoder.decode(engine_end.recv())
                 if isinstance(message, AddRequests):
                     ids = [r.req_id for r in message.requests]
-                    out.append(("add", ids, message.on_the_way))
+                    out.append(("add", ids, message.on_the_way, message.checked))
                 elif isinstance(message, AbortRequests):
-                    out.append(("abort", message.req_ids, None))
+                    out.append(("abort", message.req_ids, None, False))
             return out
+
+        async def two_turns() -> None:
+            await asyncio.sleep(0)
+            assert received() == []  # not yet: the loop has not polled its sockets again
+            await asyncio.sleep(0)
 
         try:
             for i in range(4):
                 await client.submit(EngineCoreRequest(f"r{i}", PROMPTS[0], params, 0.0), 3 - i)
-            assert received() == [("add", ["r0"], 3)]  # the rest wait for the turn's end
-            await asyncio.sleep(0)
-            assert received() == [("add", ["r1", "r2", "r3"], 0)]
+            assert received() == [("add", ["r0"], 3, False)]  # the rest wait
+            await two_turns()
+            assert received() == [("add", ["r1", "r2", "r3"], 0, False)]  # no count: unchecked
             await client.submit(EngineCoreRequest("r4", PROMPTS[0], params, 0.0))
             await client.submit(EngineCoreRequest("r5", PROMPTS[0], params, 0.0))
             await client.abort(["r5"])
             assert received() == [
-                ("add", ["r4"], None),
-                ("add", ["r5"], None),
-                ("abort", ["r5"], None),
+                ("add", ["r4"], None, False),
+                ("add", ["r5"], None, False),
+                ("abort", ["r5"], None, False),
             ]
-            await asyncio.sleep(0)
+            await two_turns()
+            assert received() == []
+
+            seen = [2]  # the gateway's count when the loop gets round to it
+            client.count_on_the_way = lambda: seen[0]
+            await client.submit(EngineCoreRequest("r6", PROMPTS[0], params, 0.0), 0)
+            await client.submit(EngineCoreRequest("r7", PROMPTS[0], params, 0.0), 0)
+            assert received() == [("add", ["r6"], 0, False)]
+            await two_turns()
+            assert received() == [("add", ["r7"], 2, True)]  # two more came meanwhile
+            seen[0] = 0
+            await client.submit(EngineCoreRequest("r8", PROMPTS[0], params, 0.0), 1)
+            assert received() == [("add", ["r8"], 1, False)]
+            await two_turns()  # the one on its way failed its checks: none is any more
+            assert received() == [("add", [], 0, True)]
+            await client.submit(EngineCoreRequest("r9", PROMPTS[0], params, 0.0), 0)
+            assert received() == [("add", ["r9"], 0, False)]
+            await two_turns()  # the engine was told 0 already: nothing more to say
             assert received() == []
         finally:
             client._input.close(linger=0)

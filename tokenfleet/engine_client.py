@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
 
 import msgspec
@@ -85,10 +85,15 @@ class AsyncEngineClient:
         self._quiet_timer: asyncio.TimerHandle | None = None
         self._last_submit = 0.0
         # The first request submitted in a turn of the event loop goes at once; the turn's
-        # later ones wait here and go together at its end (_flush_adds).
+        # later ones wait here and go together once the loop has polled its sockets again
+        # (_end_turn).
         self._turn_open = False
         self._adds: list[EngineCoreRequest] = []
         self._adds_on_the_way: int | None = None
+        self._told_on_the_way: int | None = None  # the count the last message carried
+        # Set by the gateway: how many requests it has taken in and not submitted, counted
+        # now (None: it cannot tell). Without it, a submit's own count goes with it.
+        self.count_on_the_way: Callable[[], int | None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -226,7 +231,8 @@ class AsyncEngineClient:
                 del self._queues[request.req_id]
                 raise
             self._turn_open = True
-            asyncio.get_running_loop().call_soon(self._flush_adds)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(loop.call_soon, self._end_turn)
         self._last_submit = time.monotonic()
         if self._quiet_timer is None:
             self._quiet_timer = asyncio.get_running_loop().call_later(QUIET_S, self._check_quiet)
@@ -266,16 +272,32 @@ class AsyncEngineClient:
         with contextlib.suppress(EngineDeadError):  # a dead engine has freed everything
             await self._send(AbortRequests(req_ids))
 
-    def _flush_adds(self) -> None:
-        """At the end of a turn of the event loop, send what was submitted in it after its
-        first request, as one message: the rest of a burst (each HTTP request's task submits
-        in turn) reaches the engine together, one wake-up of each side for all of it."""
+    def _end_turn(self) -> None:
+        """Two turns of the event loop after a turn's first request, so once its loop has
+        polled the sockets again and handled what they held (asyncio handles a poll's events
+        in the turn after it, uvloop within it): send the requests submitted since, with the
+        gateway's count of those it has taken in since then (`checked`: an idle engine told
+        0 after a burst starts at once). With no request to send, the count goes alone when
+        the engine was last told that some were coming (they failed their checks, or went
+        with this turn's first request): it would wait for them otherwise."""
+        if not self._turn_open:
+            return  # an abort sent them already
+        count = self.count_on_the_way
+        on_the_way = count() if count is not None else None
+        self._flush_adds(on_the_way, checked=on_the_way is not None)
+
+    def _flush_adds(self, on_the_way: int | None = None, checked: bool = False) -> None:
+        """Send what was submitted after the turn's first request, as one message: the rest
+        of a burst (each HTTP request's task submits in turn) reaches the engine together,
+        one wake-up of each side for all of it. Unchecked, with the latest submit's count."""
         self._turn_open = False
         requests, self._adds = self._adds, []
-        if not requests:
+        if not checked:
+            on_the_way = self._adds_on_the_way
+        if not requests and not (checked and self._told_on_the_way):
             return
         try:
-            self._send_now(AddRequests(requests, self._adds_on_the_way))
+            self._send_now(AddRequests(requests, on_the_way, checked))
         except EngineDeadError as exc:
             for request in requests:
                 queue = self._queues.get(request.req_id)
@@ -294,6 +316,8 @@ class AsyncEngineClient:
             self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
         except zmq.Again as exc:
             raise EngineDeadError("the engine process is not connected") from exc
+        if isinstance(message, AddRequests):
+            self._told_on_the_way = message.on_the_way
 
 
 class RequestOutputs:

@@ -103,6 +103,11 @@ class AddRequests(msgspec.Struct, tag="add"):
     # waits for them before its first step. None: the sender cannot tell, so the engine
     # guesses from the gaps between arrivals.
     on_the_way: int | None = None
+    # The sender counted on_the_way after its event loop had polled its sockets again since
+    # the last of these was submitted (AsyncEngineClient._end_turn): what had reached it by
+    # then is counted, so an idle engine told 0 can start at once. A checked message may
+    # carry no request: it only says that none is on its way.
+    checked: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

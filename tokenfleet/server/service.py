@@ -119,12 +119,16 @@ class OnTheWay:
             self._passed.add(task)
             task.add_done_callback(self._passed.discard)
 
-    def reached(self) -> int | None:
-        """The current request reaches the engine: how many others are still on their way."""
-        self.passed()
+    def count(self) -> int | None:
+        """How many requests the server has taken in that have not passed yet."""
         if self._tasks is None:
             return None
         return max(0, len(self._tasks) - len(self._passed))
+
+    def reached(self) -> int | None:
+        """The current request reaches the engine: how many others are still on their way."""
+        self.passed()
+        return self.count()
 
 
 class GenerationService:
@@ -138,6 +142,7 @@ class GenerationService:
     ) -> None:
         self.client = client
         self.on_the_way = OnTheWay(server_tasks)
+        client.count_on_the_way = self.on_the_way.count
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
