@@ -530,9 +530,10 @@ class SSEConnection:
 
 
 # The benchmark's CPU priority (nice) while it writes a wave's requests, and while it reads
-# their replies (http_wave).
+# their replies (http_wave). Where it may, it writes under SCHED_FIFO instead (below).
 SEND_NICE = -5
 READ_NICE = 10
+SEND_FIFO_PRIORITY = 1
 
 
 def can_renice() -> bool:
@@ -542,6 +543,39 @@ def can_renice() -> bool:
         os.setpriority(os.PRIO_PROCESS, 0, 0)
     except PermissionError:
         return False
+    return True
+
+
+@contextlib.contextmanager
+def writing_burst(renice: bool) -> Any:
+    """The block writes a wave's requests: at real-time priority (SCHED_FIFO), so that no
+    other process of this machine (the gateway, the engine, their I/O threads) takes the
+    core from the writer in the middle of the burst, as none would from a client on
+    another machine; at nice SEND_NICE where SCHED_FIFO is not allowed (a raised nice
+    value still let the gateway, woken by the first request, take the core now and then,
+    and the engine then started on that request alone: about one wave in ten)."""
+    if not renice:
+        yield
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(SEND_FIFO_PRIORITY))
+    except (PermissionError, AttributeError):
+        with niceness(SEND_NICE):
+            yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def can_write_fifo() -> bool:
+    """Whether writing_burst gets SCHED_FIFO here."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(SEND_FIFO_PRIORITY))
+    except (PermissionError, AttributeError):
+        return False
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
     return True
 
 
@@ -566,14 +600,15 @@ async def http_wave(
 ) -> list[RequestTiming]:
     """Every request written at once on its own keep-alive connection, then all read.
 
-    With `renice`, the requests are written at a higher CPU priority than the gateway's and
-    the replies read at a lower one. This machine's clients share its two cores with the
-    gateway, where real ones would be elsewhere: each write wakes the gateway, which would
-    otherwise take the core from the writer after its first request or two and parse them
-    while the rest of the burst waits in this process (the burst then reaches the gateway
-    in pieces), and each event the gateway writes wakes a reader here, which would take the
-    core from the gateway in the middle of writing the other streams' events. The times
-    are the kernel's (_Arrivals), so reading late changes none of them."""
+    With `renice`, the requests are written at a higher CPU priority than the gateway's
+    (writing_burst) and the replies read at a lower one. This machine's clients share its
+    two cores with the gateway, where real ones would be elsewhere: each write wakes the
+    gateway, which would otherwise take the core from the writer after its first request
+    or two and parse them while the rest of the burst waits in this process (the burst
+    then reaches the gateway in pieces), and each event the gateway writes wakes a reader
+    here, which would take the core from the gateway in the middle of writing the other
+    streams' events. The times are the kernel's (_Arrivals), so reading late changes none
+    of them."""
     for conn in connections[: len(prompts)]:
         await conn.ensure_open()
     requests = [
@@ -592,7 +627,7 @@ async def http_wave(
         for conn, prompt in zip(connections, prompts, strict=False)
     ]
     timings = []
-    with niceness(SEND_NICE if renice else None):
+    with writing_burst(renice):
         for conn, data in zip(connections, requests, strict=False):
             timings.append(RequestTiming(kernel_clock()))  # the clock of the arrival stamps
             conn.send(data)
@@ -1110,6 +1145,9 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "serve_args": serve_args,
         "config": engine_config,
         "renice": renice,
+        "burst_writer": (
+            ("SCHED_FIFO" if can_write_fifo() else f"nice {SEND_NICE}") if renice else "default"
+        ),
     }
 
 
@@ -1254,6 +1292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         },
         "load_s": outcome["load_s"],
         "renice": outcome["renice"],
+        "burst_writer": outcome["burst_writer"],
         "summary": summary,
         "goals": goal_results,
         "rounds": [round_to_json(r) for r in rounds],
