@@ -105,8 +105,8 @@ class AddRequests(msgspec.Struct, tag="add"):
     on_the_way: int | None = None
     # The sender counted on_the_way after its event loop had polled its sockets again since
     # the last of these was submitted (AsyncEngineClient._end_turn): what had reached it by
-    # then is counted, so an idle engine told 0 can start at once. A checked message may
-    # carry no request: it only says that none is on its way.
+    # then is counted, so an idle engine told 0 after a burst starts at once. A checked
+    # message may carry no request: it only says how many are still on their way.
     checked: bool = False
 
 
