@@ -546,37 +546,36 @@ def can_renice() -> bool:
     return True
 
 
-@contextlib.contextmanager
-def writing_burst(renice: bool) -> Any:
-    """The block writes a wave's requests: at real-time priority (SCHED_FIFO), so that no
-    other process of this machine (the gateway, the engine, their I/O threads) takes the
-    core from the writer in the middle of the burst, as none would from a client on
-    another machine; at nice SEND_NICE where SCHED_FIFO is not allowed (a raised nice
-    value still let the gateway, woken by the first request, take the core now and then,
-    and the engine then started on that request alone: about one wave in ten)."""
+def burst_writer(renice: bool) -> str:
+    """How http_wave writes a wave's requests, decided once: at real-time priority
+    ("SCHED_FIFO"), so that no other process of this machine (the gateway, the engine,
+    their I/O threads) takes the core from the writer in the middle of the burst, as none
+    would from a client on another machine; at nice SEND_NICE where SCHED_FIFO is not
+    allowed (a raised nice value still let the gateway, woken by the first request, take
+    the core now and then, and the engine then started on that request alone: about one
+    wave in ten); "default" without `renice`."""
     if not renice:
-        yield
-        return
+        return "default"
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(SEND_FIFO_PRIORITY))
     except (PermissionError, AttributeError):
-        with niceness(SEND_NICE):
+        return f"nice {SEND_NICE}"
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    return "SCHED_FIFO"
+
+
+@contextlib.contextmanager
+def writing_burst(writer: str) -> Any:
+    """The block writes a wave's requests as `writer` (burst_writer) says."""
+    if writer != "SCHED_FIFO":
+        with niceness(None if writer == "default" else SEND_NICE):
             yield
         return
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(SEND_FIFO_PRIORITY))
     try:
         yield
     finally:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-
-
-def can_write_fifo() -> bool:
-    """Whether writing_burst gets SCHED_FIFO here."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(SEND_FIFO_PRIORITY))
-    except (PermissionError, AttributeError):
-        return False
-    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-    return True
 
 
 @contextlib.contextmanager
@@ -597,11 +596,12 @@ async def http_wave(
     prompts: list[list[int]],
     max_tokens: int,
     renice: bool = False,
+    writer: str = "default",
 ) -> list[RequestTiming]:
     """Every request written at once on its own keep-alive connection, then all read.
 
     With `renice`, the requests are written at a higher CPU priority than the gateway's
-    (writing_burst) and the replies read at a lower one. This machine's clients share its
+    (`writer`, burst_writer) and the replies read at a lower one. This machine's clients share its
     two cores with the gateway, where real ones would be elsewhere: each write wakes the
     gateway, which would otherwise take the core from the writer after its first request
     or two and parse them while the rest of the burst waits in this process (the burst
@@ -627,7 +627,7 @@ async def http_wave(
         for conn, prompt in zip(connections, prompts, strict=False)
     ]
     timings = []
-    with writing_burst(renice):
+    with writing_burst(writer):
         for conn, data in zip(connections, requests, strict=False):
             timings.append(RequestTiming(kernel_clock()))  # the clock of the arrival stamps
             conn.send(data)
@@ -1068,6 +1068,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         stack.callback(lambda: [conn.close() for conn in connections])
         load_s = time.perf_counter() - t0
         renice = not args.no_renice and can_renice()
+        writer = burst_writer(renice)
         if not args.no_renice and not renice:
             print(
                 "warning: may not raise this process's CPU priority (not root, no "
@@ -1098,7 +1099,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     return core_wave(core, batch, p)
                 if mode == "client":
                     return await client_wave(client, batch, p)
-                return await http_wave(connections, batch, p.max_tokens, renice)
+                return await http_wave(connections, batch, p.max_tokens, renice, writer)
 
             return go
 
@@ -1145,9 +1146,7 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         "serve_args": serve_args,
         "config": engine_config,
         "renice": renice,
-        "burst_writer": (
-            ("SCHED_FIFO" if can_write_fifo() else f"nice {SEND_NICE}") if renice else "default"
-        ),
+        "burst_writer": writer,
     }
 
 

@@ -283,19 +283,19 @@ class AsyncEngineClient:
         if not self._turn_open:
             return  # an abort sent them already
         count = self.count_on_the_way
-        on_the_way = count() if count is not None else None
-        self._flush_adds(on_the_way, checked=on_the_way is not None)
+        self._flush_adds(count() if count is not None else None)
 
-    def _flush_adds(self, on_the_way: int | None = None, checked: bool = False) -> None:
+    def _flush_adds(self, checked_count: int | None = None) -> None:
         """Send what was submitted after the turn's first request, as one message: the rest
         of a burst (each HTTP request's task submits in turn) reaches the engine together,
-        one wake-up of each side for all of it. Unchecked, with the latest submit's count."""
+        one wake-up of each side for all of it. With `checked_count` (_end_turn), that
+        count; else (unchecked) the latest submit's."""
         self._turn_open = False
         requests, self._adds = self._adds, []
-        if not checked:
-            on_the_way = self._adds_on_the_way
+        checked = checked_count is not None
         if not requests and not (checked and self._told_on_the_way):
             return
+        on_the_way = checked_count if checked else self._adds_on_the_way
         try:
             self._send_now(AddRequests(requests, on_the_way, checked))
         except EngineDeadError as exc:
