@@ -119,3 +119,91 @@ def test_max_tokens_ends_with_reason_length(llm: LLM) -> None:
     )[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
     assert out.stop_token_id is None
+
+
+def _penalized_reference(
+    hf: torch.nn.Module, prompt: list[int], out: list[int], params: SamplingParams
+) -> list[int]:
+    """Greedy by hand from transformers' logits: each step's logits with the biases added
+    and OpenAI's penalties for the tokens generated before it taken off."""
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()
+    chosen = []
+    for step in range(len(out)):
+        row = logits[step].clone()
+        for token_id, bias in params.logit_bias:
+            row[token_id] += bias
+        for token_id in set(out[:step]):
+            count = out[:step].count(token_id)
+            row[token_id] -= count * params.frequency_penalty + params.presence_penalty
+        chosen.append(int(row.argmax()))
+    return chosen
+
+
+def test_presence_and_frequency_penalties_and_logit_bias_against_transformers(
+    llm: LLM, model_folder: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    prompt = _chat(llm, "Repeat the word 'cat' twenty times.")
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    cases = [
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, frequency_penalty=1.5),
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, presence_penalty=2.0),
+        SamplingParams(
+            max_tokens=24,
+            temperature=0,
+            ignore_eos=True,
+            presence_penalty=-0.5,
+            frequency_penalty=0.7,
+            logit_bias=((greedy[0].token_ids[3], -100.0), (1000, 15.0)),
+        ),
+    ]
+    # Batched with the plain greedy request, each alone in its own row.
+    outs = llm.generate(
+        [prompt] * 4,
+        [
+            cases[0],
+            SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+            cases[1],
+            cases[2],
+        ],
+    )
+    assert outs[1].token_ids == greedy[0].token_ids
+    for params, out in zip(cases, [outs[0], outs[2], outs[3]], strict=True):
+        assert len(out.token_ids) == 24
+        assert out.token_ids == _penalized_reference(hf, prompt, out.token_ids, params)
+        assert out.token_ids != greedy[0].token_ids  # the penalties changed the text
+    assert greedy[0].token_ids[3] not in outs[3].token_ids  # a -100 bias bans the token
+
+
+def test_logit_bias_outside_the_vocabulary_and_bad_penalties_are_refused(llm: LLM) -> None:
+    from tokenfleet.errors import InvalidRequestError
+    from tokenfleet.outputs import EngineCoreRequest
+
+    params = SamplingParams(max_tokens=2, logit_bias=((49152, 1.0),))
+    with pytest.raises(InvalidRequestError, match=r"token id 49152 .*\[0, 49152\)") as info:
+        llm.engine.add_request(EngineCoreRequest("lb", [1, 2], params, 0.0))
+    assert info.value.param == "logit_bias"
+    for kwargs, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"logit_bias": ((5, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequestError) as info:
+            SamplingParams(**kwargs)  # type: ignore[arg-type]
+        assert info.value.param == param
+
+
+def test_penalties_count_only_the_generated_tokens_and_leave_logprobs_raw() -> None:
+    logits = torch.tensor([[3.0, 2.9, 0.0, 1.0], [3.0, 2.9, 0.0, 1.0]])
+    plain = SamplingParams(temperature=0, logprobs=0)
+    penalized = SamplingParams(temperature=0, frequency_penalty=0.04)
+    # Token 0 generated twice: 3.0 - 2 * 0.04 = 2.92, still over token 1; three times: 2.88.
+    assert sample(logits, [plain, penalized], [None, None], [[], [0, 0]]) == [0, 0]
+    assert sample(logits, [plain, penalized], [None, None], [[], [0, 0, 0]]) == [0, 1]
+    presence = SamplingParams(temperature=0, presence_penalty=0.2)
+    assert sample(logits, [presence, plain], [None, None], [[0, 0, 0, 3], []]) == [1, 0]
+    assert logits[0, 0] == 3.0  # the caller's logits (and so logprobs) are untouched

@@ -143,6 +143,12 @@ class EngineCore:
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt"
             )
+        bad = next((t for t, _ in request.sampling_params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
         max_tokens = request.sampling_params.max_tokens
         if len(prompt) + max_tokens > self.max_model_len:
             raise ContextLengthError(

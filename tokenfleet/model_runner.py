@@ -144,7 +144,8 @@ class ModelRunner:
             self._generator(s.req_id, s.sampling_params.seed) if not p.greedy else None
             for s, p in zip(sampling, params, strict=True)
         ]
-        token_ids = sample(logits, params, generators)
+        outputs = [s.output_token_ids for s in sampling]
+        token_ids = sample(logits, params, generators, outputs)
         logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
         return ModelRunnerOutput(
             sampled_token_ids={s.req_id: t for s, t in zip(sampling, token_ids, strict=True)},

@@ -1,11 +1,14 @@
 """Next-token choice per request: greedy, or temperature with top-k and top-p, seeded.
 
 Each request draws from its own torch.Generator, so a seeded request gives the same
-tokens whatever it is batched with. Logprobs are of the model's raw distribution (before
-temperature and truncation), as the OpenAI API reports them.
+tokens whatever it is batched with. Presence and frequency penalties and logit biases
+change the logits first (greedy too). Logprobs are of the model's raw distribution (before
+penalties, biases, temperature and truncation), as the OpenAI API reports them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -29,11 +32,41 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def adjust_logits(
+    logits: torch.Tensor,  # [B, V]
+    params: list[SamplingParams],
+    outputs: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """The logits with each row's logit biases added and its penalties taken off (a copy
+    where any row changes; `logits` itself otherwise). `outputs[i]`: the tokens row i's
+    request has generated so far."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        p = params[i]
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype)
+            logits[i].index_add_(0, ids, bias.to(logits.device))
+        if p.penalized and outputs[i]:
+            generated = torch.tensor(outputs[i], device=logits.device)
+            ids, counts = generated.unique(return_counts=True)
+            penalty = counts.to(logits.dtype) * p.frequency_penalty + p.presence_penalty
+            logits[i].index_add_(0, ids, -penalty)
+    return logits
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float32
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    outputs: Sequence[Sequence[int]] = (),
 ) -> list[int]:
+    """The next token of each row. `outputs`: each row's generated tokens so far (needed
+    only for rows with penalties)."""
+    logits = adjust_logits(logits, params, outputs)
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:

@@ -10,6 +10,8 @@ import msgspec
 from tokenfleet.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -17,6 +19,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 mean off. `logprobs` None
     returns none; 0 returns the chosen token's logprob; k > 0 adds the top k.
+
+    `presence_penalty` and `frequency_penalty` (OpenAI's): a token's logit is lowered by
+    frequency_penalty times the number of times the request has generated it so far, plus
+    presence_penalty if it has generated it at all. `logit_bias`: (token id, bias) pairs
+    added to those tokens' logits. Both before temperature, greedy included; logprobs stay
+    the model's own.
     """
 
     max_tokens: int = 16
@@ -27,6 +35,9 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -48,6 +59,33 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
                 f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
                 param="logprobs",
             )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidRequestError(
+                    f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {value}",
+                    param=name,
+                )
+        for token_id, bias in self.logit_bias:
+            if isinstance(token_id, bool) or token_id < 0:
+                raise InvalidRequestError(
+                    f"logit_bias: token id {token_id} is not a token id", param="logit_bias"
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias: the bias of token {token_id} must be between "
+                    f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bias}",
+                    param="logit_bias",
+                )
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the tokens the request has generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalized or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -343,6 +343,9 @@ class Scheduler:
                     block_ids=self.kv.get_block_ids(request.req_id),
                     sample=start + num_new == request.num_tokens,
                     sampling_params=request.sampling_params,
+                    output_token_ids=(
+                        request.output_token_ids if request.sampling_params.penalized else ()
+                    ),
                 )
             )
             # Counted as computed now: the step is committed once planned.

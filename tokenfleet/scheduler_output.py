@@ -14,6 +14,8 @@ class ScheduledRequest:
     The runner feeds `token_ids` at positions start_pos, start_pos+1, ...; their K/V go to
     the slots that `block_ids` give those positions. When `sample` is set, this step
     reaches the request's last token and the runner samples the next one.
+    `output_token_ids`: the tokens it has generated so far, given only when its sampling
+    params need them (penalties), else empty.
     """
 
     req_id: str
@@ -22,6 +24,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     sampling_params: SamplingParams
+    output_token_ids: list[int] | tuple[()] = ()
 
     @property
     def num_tokens(self) -> int:
