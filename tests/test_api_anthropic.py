@@ -568,6 +568,45 @@ def test_errors(server: LiveServer, refs: References, model_folder: Path) -> Non
     _check_message(answer, refs.answer)
 
 
+def test_unsupported_features_are_400s_naming_them(server: LiveServer, refs: References) -> None:
+    """Tools, extended thinking and image or document blocks, asked for, are 400s naming
+    them (not a reply that ignored them); the same fields at their defaults are no error."""
+    ok = {"model": MODEL, "max_tokens": 4, "messages": ANSWER}
+    tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    for fields, start in [
+        ({"tools": [tool]}, "tools: tool use is not supported"),
+        ({"tool_choice": {"type": "auto"}}, "tool_choice: tool use is not supported"),
+        (
+            {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+            "thinking: extended thinking is not supported",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages.0.content: block 0 is of type 'image': this model takes only 'text'",
+        ),
+        (
+            {"system": [{"type": "text", "text": "a"}, {"type": "document", "source": {}}]},
+            "system: block 1 is of type 'document'",
+        ),
+    ]:
+        message = _check_error(_post(server, ok | fields), 400, "invalid_request_error")
+        assert message.startswith(start), message
+    counted = httpx.post(
+        f"{server.url}/v1/messages/count_tokens",
+        json={"model": MODEL, "messages": ANSWER, "tools": [tool]},
+        timeout=60,
+    )
+    assert _check_error(counted, 400, "invalid_request_error").startswith("tools: ")
+    client = _client(server, max_retries=0)
+    with pytest.raises(anthropic.BadRequestError, match="tool use is not supported"):
+        client.messages.create(model=MODEL, max_tokens=4, messages=ANSWER, tools=[tool])  # type: ignore[list-item]
+    defaults = {"tools": [], "thinking": {"type": "disabled"}}
+    answer = client.messages.create(
+        model=MODEL, max_tokens=MAX_TOKENS, messages=ANSWER, extra_body=GREEDY | defaults
+    )
+    _check_message(answer, refs.answer)
+
+
 # -- overload, API keys, binding -------------------------------------------------------
 
 

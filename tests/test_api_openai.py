@@ -723,6 +723,117 @@ def test_context_length_exceeded(server: LiveServer, ref: Reference) -> None:
     _assert_answers(server)
 
 
+def test_penalties_and_logit_bias_equal_the_engine(server: LiveServer, ref: Reference) -> None:
+    """presence_penalty, frequency_penalty and logit_bias reach the engine: the text equals
+    the in-process engine's with the same SamplingParams (tests/test_sampling.py checks
+    those against transformers' logits), chat and streamed completions alike."""
+    greedy = ref.chat(LONG_CHAT, 20)
+    banned = greedy.token_ids[2]
+    params = SamplingParams(
+        max_tokens=20,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=1.2,
+        logit_bias=((banned, -100.0),),
+    )
+    expected = ref.llm.chat([LONG_CHAT], params)[0]
+    assert expected.token_ids != greedy.token_ids and banned not in expected.token_ids
+    r = _client(server).chat.completions.create(
+        model=MODEL,
+        messages=LONG_CHAT,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=1.2,
+        logit_bias={str(banned): -100},
+    )
+    assert r.choices[0].message.content == expected.text
+    _assert_usage(r.usage, len(expected.prompt_token_ids), 20)
+
+    params = SamplingParams(max_tokens=24, temperature=0, frequency_penalty=2.0)
+    expected = ref.llm.generate([PROMPT_2], params)[0]
+    stream = _client(server).completions.create(
+        model=MODEL,
+        prompt=PROMPT_2,
+        max_tokens=24,
+        temperature=0,
+        frequency_penalty=2.0,
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in stream) == expected.text
+    assert expected.token_ids != ref.generate(PROMPT_2, 24).token_ids
+
+
+def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None:
+    """A parameter this server does not serve, asked for, is a 400 naming it (not a reply
+    that ignored it); the same parameter at its default value is no error."""
+    refused_chat = [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"modalities": ["text", "audio"]}, "modalities"),
+        ({"logit_bias": {"cat": 1}}, "logit_bias"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ]
+    for fields, param in refused_chat:
+        error = _error(
+            httpx.post(server.url + CHAT_ROUTE, json=_chat_body(EOS_CHAT, **fields)), 400
+        )
+        assert error["param"] == param, fields
+        assert error["message"].startswith(f"{param}: "), error
+        assert error["type"] == "invalid_request_error"
+    tool_turn = [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]},
+        {"role": "user", "content": "and then?"},
+    ]
+    error = _error(httpx.post(server.url + CHAT_ROUTE, json=_chat_body(tool_turn)), 400)
+    assert error["param"] == "messages.0.tool_calls"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    error = _error(httpx.post(server.url + CHAT_ROUTE, json=_chat_body(image)), 400)
+    assert error["param"] == "messages.0.content"
+    assert error["message"] == (
+        "messages.0.content: block 0 is of type 'image_url': this model takes only 'text' content"
+    )
+    for fields, param in [
+        ({"echo": True}, "echo"),
+        ({"suffix": "!"}, "suffix"),
+        ({"best_of": 2}, "best_of"),
+        ({"min_tokens": 3}, "min_tokens"),
+    ]:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **fields}
+        assert _error(httpx.post(server.url + CMPL_ROUTE, json=body), 400)["param"] == param
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(server).chat.completions.create(
+            model=MODEL,
+            messages=EOS_CHAT,  # type: ignore[arg-type]
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )
+    assert info.value.param == "tools"
+    # At their defaults, the same fields ask for nothing.
+    r = httpx.post(
+        server.url + CHAT_ROUTE,
+        json=_chat_body(
+            EOS_CHAT,
+            max_tokens=2,
+            tools=[],
+            tool_choice="none",
+            response_format={"type": "text"},
+            logit_bias={},
+            presence_penalty=0,
+            repetition_penalty=1.0,
+            min_p=0,
+        ),
+    )
+    assert r.status_code == 200, r.text
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": False, "best_of": 1}
+    assert httpx.post(server.url + CMPL_ROUTE, json=body).status_code == 200
+    _assert_answers(server)
+
+
 def test_body_too_large(server: LiveServer) -> None:
     padding = "a" * (8 * 2**20 + 1)
     body = json.dumps(_chat_body(EOS_CHAT, user=padding)).encode()

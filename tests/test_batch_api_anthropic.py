@@ -265,6 +265,15 @@ BAD_REQUESTS = [
         "requests[0].params.max_tokens",
         "over the context length",
     ),
+    (
+        "tools, which this server does not serve",
+        [
+            *requests(1),
+            {"custom_id": "u", "params": {**params(PARAMS[0]), "tools": [{"name": "f"}]}},
+        ],
+        "requests[1].params.tools",
+        "tool use is not supported",
+    ),
     ("no requests", [], "requests", "at least one"),
 ]
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.sampling_params import SamplingParams
@@ -24,6 +24,7 @@ from tokenfleet.server.service import (
     cancel_on_disconnect,
 )
 from tokenfleet.server.sse import EventStream, prime, sse_event
+from tokenfleet.server.unsupported import ANTHROPIC_MESSAGES, refuse_unsupported, text_blocks
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -46,6 +47,8 @@ class MessageParam(BaseModel):
     role: Literal["user", "assistant"]
     content: str | list[TextBlock]
 
+    _text_only = field_validator("content", mode="before")(text_blocks)
+
 
 class CountTokensRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
@@ -53,6 +56,8 @@ class CountTokensRequest(BaseModel):
     model: str
     messages: list[MessageParam] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
+
+    _text_only = field_validator("system", mode="before")(text_blocks)
 
 
 class MessagesRequest(CountTokensRequest):
@@ -80,6 +85,7 @@ def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     body = await read_body(request, CountTokensRequest)
+    refuse_unsupported(body, ANTHROPIC_MESSAGES)
     return JSONResponse({"input_tokens": len(_prompt(request.app.state.service, body))})
 
 
@@ -94,6 +100,7 @@ class MessageCall:
 
 def prepare_message(service: GenerationService, body: MessagesRequest) -> MessageCall:
     """Every check of a Messages call that needs no engine time."""
+    refuse_unsupported(body, ANTHROPIC_MESSAGES)
     prompt = _prompt(service, body)
     service.check_length(len(prompt), body.max_tokens, "max_tokens")
     try:

@@ -7,11 +7,12 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.outputs import TokenLogprobs
@@ -26,6 +27,13 @@ from tokenfleet.server.service import (
     cancel_on_disconnect,
 )
 from tokenfleet.server.sse import EventStream, prime, sse_event
+from tokenfleet.server.unsupported import (
+    OPENAI_CHAT,
+    OPENAI_COMPLETION,
+    OPENAI_MESSAGE,
+    refuse_unsupported,
+    text_blocks,
+)
 from tokenfleet.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -43,6 +51,8 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
+
+    _text_only = field_validator("content", mode="before")(text_blocks)
 
 
 class StreamOptions(BaseModel):
@@ -63,12 +73,37 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # token id -> bias (JSON object keys are strings; pydantic reads them as ints)
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > 4:
             raise APIError(400, "invalid_request", "stop: at most 4 sequences", param="stop")
         return stop
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_id_keys(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for key in value:
+                if not (isinstance(key, str) and key.isdigit()):
+                    raise PydanticCustomError(
+                        "token_id", "key {key} is not a token id", {"key": repr(key)}
+                    )
+        return value
+
+    def check_logit_bias(self, vocab: int) -> None:
+        bad = next((t for t in self.logit_bias or {} if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                "invalid_request",
+                f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})",
+                param="logit_bias",
+            )
 
 
 class ChatRequest(_Common):
@@ -95,6 +130,9 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None, index: int) ->
             seed=None if body.seed is None else body.seed + index,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
+            logit_bias=tuple((body.logit_bias or {}).items()),
         )
     except InvalidRequestError as exc:
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
@@ -252,6 +290,10 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
     """Every check of a chat completion call that needs no engine time."""
     service.check_model(body.model)
     body.stop_list()
+    refuse_unsupported(body, OPENAI_CHAT)
+    for i, m in enumerate(body.messages):
+        refuse_unsupported(m, OPENAI_MESSAGE, f"messages.{i}.")
+    body.check_logit_bias(service.vocab_size)
     messages = []
     for m in body.messages:
         content = (
@@ -410,6 +452,12 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
     """Every check of a completions call that needs no engine time."""
     service.check_model(body.model)
     body.stop_list()
+    refuse_unsupported(body, OPENAI_COMPLETION)
+    best_of = (body.model_extra or {}).get("best_of")
+    if best_of is not None and best_of not in (1, body.n):
+        message = "best_of: only best_of equal to n is supported"
+        raise APIError(400, "invalid_request", message, param="best_of")
+    body.check_logit_bias(service.vocab_size)
     raw = body.prompt
     if isinstance(raw, str):
         prompts = [service.tokenizer.encode(raw)]
@@ -419,7 +467,7 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
         prompts = [service.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]  # type: ignore[arg-type]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "invalid_request", "prompt must not be empty", param="prompt")
-    vocab = service.client.info.vocab_size if service.client.info else 0
+    vocab = service.vocab_size
     for p in prompts:
         if any(not 0 <= t < vocab for t in p):
             raise APIError(

@@ -19,7 +19,7 @@ from tokenfleet.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.harvest import step_time_limit
-from tokenfleet.outputs import EngineCoreRequest, TokenLogprobs
+from tokenfleet.outputs import EngineCoreRequest, EngineReady, TokenLogprobs
 from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
@@ -169,12 +169,19 @@ class GenerationService:
             registry=metrics.registry,
         )
 
-    @property
-    def max_model_len(self) -> int:
+    def _engine_info(self) -> EngineReady:
         info = self.client.info
         if info is None:
             raise APIError(503, "engine_down", "the engine is starting; try again shortly")
-        return info.max_model_len
+        return info
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine_info().max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine_info().vocab_size
 
     def check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
