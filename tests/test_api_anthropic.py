@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -566,6 +567,28 @@ def test_errors(server: LiveServer, refs: References, model_folder: Path) -> Non
         model=MODEL, max_tokens=MAX_TOKENS, messages=ANSWER, extra_body=GREEDY
     )
     _check_message(answer, refs.answer)
+
+
+def test_models_list_and_retrieve(server: LiveServer) -> None:
+    """The shared /v1/models answers the Anthropic client in its shapes: RFC 3339
+    created_at, and a 404 in Anthropic's error format (the client sends its version
+    header)."""
+    client = _client(server, max_retries=0)
+    models = list(client.models.list())
+    assert [(m.id, m.type, m.display_name) for m in models] == [(MODEL, "model", MODEL)]
+    raw = httpx.get(f"{server.url}/v1/models/{MODEL}", timeout=10).json()
+    assert datetime.fromisoformat(raw["created_at"]) == models[0].created_at
+    assert raw["created_at"].endswith("Z")
+    assert client.models.retrieve(MODEL) == models[0]
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.models.retrieve("claude-x")
+    assert info.value.body == {
+        "type": "error",
+        "error": {
+            "type": "not_found_error",
+            "message": f"model 'claude-x' not found; this server serves '{MODEL}'",
+        },
+    }
 
 
 def test_unsupported_features_are_400s_naming_them(server: LiveServer, refs: References) -> None:

@@ -654,6 +654,15 @@ def test_models_list(server: LiveServer) -> None:
     assert [m.id for m in models] == [MODEL]
     assert models[0].object == "model" and models[0].owned_by == "tokenfleet"
     assert models[0].created > 0
+    assert _client(server).models.retrieve(MODEL) == models[0]
+    with pytest.raises(openai.NotFoundError) as info:
+        _client(server).models.retrieve("gpt-4o")
+    assert info.value.body == {
+        "message": f"model 'gpt-4o' not found; this server serves '{MODEL}'",
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
 
 
 # -- 8. errors --------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -22,10 +23,11 @@ from tokenfleet.batch.store import BatchStore
 from tokenfleet.engine_client import AsyncEngineClient
 from tokenfleet.model_folder import resolve_model_folder
 from tokenfleet.server import anthropic_api, anthropic_batches, openai_api, openai_batches
+from tokenfleet.server.anthropic_batches import iso
 from tokenfleet.server.batch_input import ENDPOINTS
 from tokenfleet.server.batch_state import BatchState
 from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
-from tokenfleet.server.errors import APIError, error_response, is_anthropic_route, request_id
+from tokenfleet.server.errors import APIError, error_response, is_anthropic_request, request_id
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.openai_result_files import ResultFiles
 from tokenfleet.server.service import GenerationService
@@ -170,7 +172,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             message = f"method {request.method} not allowed on {path}"
         else:
             message = str(exc.detail)
-        kind = "not_found" if status == 404 and is_anthropic_route(path) else "invalid_request"
+        kind = "not_found" if status == 404 and is_anthropic_request(request) else "invalid_request"
         response = error_response(request, APIError(status, kind, message))
         response.headers.update(exc.headers or {})
         return response
@@ -191,29 +193,36 @@ def create_app(config: ServeConfig) -> FastAPI:
         registry = request.app.state.metrics.registry
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    def model_object(request: Request) -> dict[str, Any]:
+        """The served model, in the fields of both APIs' model objects."""
+        name, created = config.served_model_name, request.app.state.started
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tokenfleet",
+            "type": "model",
+            "display_name": name,
+            "created_at": iso(created),
+        }
+
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         name = config.served_model_name
-        created = request.app.state.started
         return JSONResponse(
             {
                 "object": "list",
-                "data": [
-                    {
-                        "id": name,
-                        "object": "model",
-                        "created": created,
-                        "owned_by": "tokenfleet",
-                        "type": "model",
-                        "display_name": name,
-                        "created_at": created,
-                    }
-                ],
+                "data": [model_object(request)],
                 "has_more": False,
                 "first_id": name,
                 "last_id": name,
             }
         )
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        request.app.state.service.check_model(model_id)
+        return JSONResponse(model_object(request))
 
     app.include_router(anthropic_batches.router)  # before /v1/messages/{...} could shadow it
     app.include_router(anthropic_api.router)

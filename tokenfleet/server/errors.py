@@ -46,8 +46,13 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s
 
 
-def is_anthropic_route(path: str) -> bool:
-    return path.startswith("/v1/messages")
+def is_anthropic_request(request: Request) -> bool:
+    """Whether to answer in Anthropic's format: its routes, and the routes both APIs share
+    (/v1/models) when the client sends Anthropic's version header (its SDK always does)."""
+    path = request.url.path
+    if path.startswith("/v1/messages"):
+        return True
+    return path.startswith("/v1/models") and "anthropic-version" in request.headers
 
 
 def anthropic_error_body(kind: str, message: str) -> dict[str, Any]:
@@ -72,7 +77,7 @@ def error_response(request: Request, error: APIError) -> JSONResponse:
     if error.retry_after_s is not None:
         headers["retry-after"] = str(error.retry_after_s)
     status = error.status
-    if is_anthropic_route(request.url.path):
+    if is_anthropic_request(request):
         body = anthropic_error_body(error.kind, error.message)
     else:
         body = openai_error_body(error.kind, error.message, error.param)
