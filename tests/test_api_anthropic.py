@@ -591,6 +591,40 @@ def test_models_list_and_retrieve(server: LiveServer) -> None:
     }
 
 
+def test_empty_content_is_refused_as_anthropic_does(server: LiveServer, refs: References) -> None:
+    ok = {"model": MODEL, "max_tokens": 4, "messages": ANSWER}
+    user = ANSWER[0]
+    for fields, expected in [
+        (
+            {"messages": [{"role": "user", "content": ""}]},
+            "messages.0: all messages must have non-empty content except for the optional "
+            "final assistant message",
+        ),
+        (
+            {"messages": [user, {"role": "assistant", "content": []}, user]},
+            "messages.1: all messages must have non-empty content except for the optional "
+            "final assistant message",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]},
+            "messages: text content blocks must be non-empty",
+        ),
+        (
+            {"system": [{"type": "text", "text": ""}]},
+            "system: text content blocks must be non-empty",
+        ),
+    ]:
+        assert _check_error(_post(server, ok | fields), 400, "invalid_request_error") == expected
+    # A final assistant turn may be empty: a prefill of nothing, the plain answer.
+    answer = _client(server).messages.create(
+        model=MODEL,
+        max_tokens=MAX_TOKENS,
+        messages=[user, {"role": "assistant", "content": ""}],  # type: ignore[list-item]
+        extra_body=GREEDY,
+    )
+    _check_message(answer, refs.answer)
+
+
 def test_unsupported_features_are_400s_naming_them(server: LiveServer, refs: References) -> None:
     """Tools, extended thinking and image or document blocks, asked for, are 400s naming
     them (not a reply that ignored them); the same fields at their defaults are no error."""

@@ -74,8 +74,31 @@ def _text(content: str | list[TextBlock]) -> str:
     return content if isinstance(content, str) else "".join(b.text for b in content)
 
 
+def _check_contents(body: CountTokensRequest) -> None:
+    """Anthropic's rules for empty content, with its messages: no empty text block, and no
+    empty message but a final assistant one (a prefill of nothing)."""
+    contents = [("system", body.system)] if isinstance(body.system, list) else []
+    contents += [(f"messages.{i}", m.content) for i, m in enumerate(body.messages)]
+    for where, content in contents:
+        if isinstance(content, list) and any(not b.text for b in content):
+            field = where.split(".")[0]
+            raise APIError(
+                400, "invalid_request", f"{field}: text content blocks must be non-empty"
+            )
+    last = len(body.messages) - 1
+    for i, m in enumerate(body.messages):
+        if not m.content and not (i == last and m.role == "assistant"):
+            raise APIError(
+                400,
+                "invalid_request",
+                f"messages.{i}: all messages must have non-empty content except for the "
+                "optional final assistant message",
+            )
+
+
 def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
     service.check_model(body.model)
+    _check_contents(body)
     messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
     if body.system:
         messages.insert(0, {"role": "system", "content": _text(body.system)})
