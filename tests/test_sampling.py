@@ -207,3 +207,41 @@ def test_penalties_count_only_the_generated_tokens_and_leave_logprobs_raw() -> N
     presence = SamplingParams(temperature=0, presence_penalty=0.2)
     assert sample(logits, [presence, plain], [None, None], [[0, 0, 0, 3], []]) == [1, 0]
     assert logits[0, 0] == 3.0  # the caller's logits (and so logprobs) are untouched
+
+
+def test_prompt_logprobs_equal_transformers_in_chunks_and_skip_the_prefix_cache(
+    model_folder: Path,
+) -> None:
+    """prompt_logprobs: each prompt token's logprob (and the top k) given the tokens before
+    it, as transformers computes them, over a prompt prefilled in several chunks; a second
+    request with the same prompt gets them too (its prefix is not taken from the cache),
+    while a plain one beside it still is."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(model_folder), kv_cache_memory=64 << 20, max_num_batched_tokens=24)
+    prompt = _chat(llm, "Write three sentences about the history of the printing press.")
+    assert len(prompt) > 24  # two chunks, at least
+    params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=4, logprobs=0)
+    first = llm.generate([prompt], params)[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        reference = hf(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    assert first.prompt_logprobs is not None and len(first.prompt_logprobs) == len(prompt) - 1
+    for position, entry in enumerate(first.prompt_logprobs, start=1):
+        expected = reference[position - 1]
+        assert entry.token_id == prompt[position]
+        assert entry.logprob == pytest.approx(expected[prompt[position]].item(), abs=1e-4)
+        values, ids = expected.topk(4)
+        assert [t for t, _ in entry.top] == ids.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+    plain, again = llm.generate(
+        [prompt, prompt], [SamplingParams(max_tokens=3, temperature=0), params]
+    )
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
+    assert again.num_cached_tokens == 0 and again.prompt_logprobs is not None
+    # (batched otherwise, the same sums in another order: equal to float rounding)
+    assert [e.token_id for e in again.prompt_logprobs] == prompt[1:]
+    assert [e.logprob for e in again.prompt_logprobs] == pytest.approx(
+        [e.logprob for e in first.prompt_logprobs], abs=1e-4
+    )
+    assert again.token_ids == plain.token_ids == first.token_ids

@@ -63,11 +63,14 @@ class KVCacheManager:
         """The longest cached run of the request's full blocks, and its token count.
 
         The last token is never served from the cache: its forward pass gives the logits
-        the next token is sampled from.
+        the next token is sampled from. Nor is any token of a prompt whose logprobs are
+        wanted (each needs its logits).
         """
         if not self.enable_caching:
             return [], 0
         self._update_block_hashes(request)
+        if request.wants_prompt_logprobs:
+            return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[KVCacheBlock] = []
         for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):

@@ -32,6 +32,7 @@ class RequestOutput:
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1, 2, ... (asked for)
 
 
 class LLM:
@@ -92,6 +93,8 @@ class LLM:
                 result.num_cached_tokens = out.num_cached_tokens
                 if out.logprobs:
                     result.logprobs = (result.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    result.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.stop_token_id = out.stop_token_id

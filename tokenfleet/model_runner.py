@@ -18,9 +18,9 @@ from tokenfleet.kernels import paged_attention_lib
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.loader import DTYPES, load_model
 from tokenfleet.models.rope import rope_cos_sin
-from tokenfleet.outputs import ModelRunnerOutput
+from tokenfleet.outputs import ModelRunnerOutput, TokenLogprobs
 from tokenfleet.sampler import compute_logprobs, sample
-from tokenfleet.scheduler_output import SchedulerOutput
+from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -118,11 +118,19 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        # Rows whose logits score the prompt's next token (prompt_logprobs): after the
+        # sampling rows in the logits, as (request, first row, targets).
+        scored: list[tuple[ScheduledRequest, int, list[int]]] = []
         for s in batch:
+            if s.prompt_targets:
+                scored.append((s, len(input_ids), list(s.prompt_targets)))
             input_ids.extend(s.token_ids)
             positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
             if s.sample:
                 logits_rows.append(len(input_ids) - 1)
+        num_sampling = len(logits_rows)
+        for _, row, targets in scored:
+            logits_rows.extend(range(row, row + len(targets)))
         meta = AttentionMetadata.build(
             [(s.start_pos, s.num_tokens, s.block_ids) for s in batch],
             self.block_size,
@@ -138,6 +146,8 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
+        prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], scored)
+        logits = logits[:num_sampling]
         sampling = [s for s in batch if s.sample]
         params = [s.sampling_params for s in sampling]
         generators = [
@@ -150,4 +160,22 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids={s.req_id: t for s, t in zip(sampling, token_ids, strict=True)},
             logprobs={s.req_id: lp for s, lp in zip(sampling, logprobs, strict=True) if lp},
+            prompt_logprobs=prompt_logprobs,
         )
+
+    @staticmethod
+    def _prompt_logprobs(
+        logits: torch.Tensor, scored: list[tuple[ScheduledRequest, int, list[int]]]
+    ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Each scored chunk's logprobs of the prompt tokens its rows predict, from its rows'
+        logits (in `scored` order), keyed by request: (first position scored, entries)."""
+        result = {}
+        row = 0
+        for s, _, targets in scored:
+            k = s.sampling_params.prompt_logprobs
+            entries = compute_logprobs(
+                logits[row : row + len(targets)], targets, [k] * len(targets)
+            )
+            result[s.req_id] = (s.start_pos + 1, [e for e in entries if e is not None])
+            row += len(targets)
+        return result

@@ -36,6 +36,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_token_id: int | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    # With the first output of a request that asked for them: prompt tokens 1, 2, ...
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:
@@ -89,6 +91,8 @@ class ModelRunnerOutput(msgspec.Struct):
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = {}
+    # req_id -> (position of the first prompt token scored, the entries from there on)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
 
 
 # -- the engine process's wire protocol (ZMQ, msgpack) -----------------------------------

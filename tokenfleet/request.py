@@ -6,8 +6,12 @@ Not a wire message: what crosses process boundaries lives in `outputs.py`.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from tokenfleet.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenfleet.outputs import TokenLogprobs
 
 # Priority classes: lower is more urgent. The gateway sends interactive traffic as 0 and
 # batch work as 1; the scheduler treats every class above PRIORITY_INTERACTIVE as batch.
@@ -81,6 +85,17 @@ class Request:
         self.num_cached_tokens: int | None = None
         # Chained hashes of the full blocks of all_token_ids, filled by the KV manager.
         self.block_hashes: list[int] = []
+        # With sampling_params.prompt_logprobs: entry p - 1 is prompt token p's logprob,
+        # filled as the prompt's chunks are computed, sent with the first output.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * (self.num_prompt_tokens - 1)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the prompt's logprobs are still to be computed and sent: its chunks
+        then need logits for every token, and the prefix cache may not skip any."""
+        return self.prompt_logprobs is not None
 
     @property
     def is_interactive(self) -> bool:

@@ -19,6 +19,8 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
 
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1 mean off. `logprobs` None
     returns none; 0 returns the chosen token's logprob; k > 0 adds the top k.
+    `prompt_logprobs`, alike, for each prompt token after the first (the model's
+    logprob of it given the tokens before it), with the first output.
 
     `presence_penalty` and `frequency_penalty` (OpenAI's): a token's logit is lowered by
     frequency_penalty times the number of times the request has generated it so far, plus
@@ -35,6 +37,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -54,11 +57,12 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
             raise InvalidRequestError(
                 f"top_k must be -1, 0 (off) or positive, got {self.top_k}", param="top_k"
             )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(
-                f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}",
-                param="logprobs",
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"{name} must be between 0 and {MAX_LOGPROBS}, got {value}", param=name
+                )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:

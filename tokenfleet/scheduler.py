@@ -346,6 +346,13 @@ class Scheduler:
                     output_token_ids=(
                         request.output_token_ids if request.sampling_params.penalized else ()
                     ),
+                    prompt_targets=(
+                        request.all_token_ids[
+                            start + 1 : min(start + num_new + 1, request.num_prompt_tokens)
+                        ]
+                        if request.wants_prompt_logprobs
+                        else ()
+                    ),
                 )
             )
             # Counted as computed now: the step is committed once planned.
@@ -374,7 +381,13 @@ class Scheduler:
         for scheduled in scheduler_output.scheduled:
             token_id = runner_output.sampled_token_ids.get(scheduled.req_id)
             request = self.requests.get(scheduled.req_id)
-            if token_id is None or request is None:
+            if request is None:
+                continue
+            scored = runner_output.prompt_logprobs.get(scheduled.req_id)
+            if scored is not None and request.prompt_logprobs is not None:
+                first, entries = scored  # by position: a recomputed chunk writes the same
+                request.prompt_logprobs[first - 1 : first - 1 + len(entries)] = entries
+            if token_id is None:
                 continue
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
@@ -385,6 +398,10 @@ class Scheduler:
                 logprobs=None if logprobs is None else [logprobs],
                 num_cached_tokens=request.num_cached_tokens or 0,
             )
+            if request.prompt_logprobs is not None:  # the prompt is done: send them once
+                assert all(e is not None for e in request.prompt_logprobs)
+                output.prompt_logprobs = request.prompt_logprobs  # type: ignore[assignment]
+                request.prompt_logprobs = None
             if status is not None:
                 finished.append(request)
                 self._finish(request, status)

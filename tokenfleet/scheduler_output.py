@@ -15,7 +15,9 @@ class ScheduledRequest:
     the slots that `block_ids` give those positions. When `sample` is set, this step
     reaches the request's last token and the runner samples the next one.
     `output_token_ids`: the tokens it has generated so far, given only when its sampling
-    params need them (penalties), else empty.
+    params need them (penalties), else empty. `prompt_targets`: for a chunk of a prompt
+    whose logprobs are wanted, the prompt tokens at positions start_pos + 1, ... that its
+    rows predict (up to the prompt's end), else empty.
     """
 
     req_id: str
@@ -25,6 +27,7 @@ class ScheduledRequest:
     sample: bool
     sampling_params: SamplingParams
     output_token_ids: list[int] | tuple[()] = ()
+    prompt_targets: list[int] | tuple[()] = ()
 
     @property
     def num_tokens(self) -> int:
