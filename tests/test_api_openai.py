@@ -541,6 +541,64 @@ def test_completions_logprobs(server: LiveServer, ref: Reference) -> None:
             assert any(c.choices[0].text == "" and c.choices[0].logprobs.tokens for c in chunks)
 
 
+def test_completions_echo_with_the_prompts_logprobs(server: LiveServer, ref: Reference) -> None:
+    """echo: the prompt before the completion; with logprobs, the prompt's tokens too (the
+    first with none), each as the engine scores it (prompt_logprobs, checked against
+    transformers in tests/test_sampling.py), as an evaluation harness asks for them."""
+    tokenizer = ref.llm.tokenizer
+    prompt_ids = tokenizer.encode(PROMPT_2)
+    params = SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=2)
+    expected = ref.llm.generate([prompt_ids], params)[0]
+    assert expected.prompt_logprobs is not None and expected.logprobs is not None
+    client = _client(server)
+
+    plain = client.completions.create(
+        model=MODEL, prompt=PROMPT_2, max_tokens=3, temperature=0, echo=True, n=2
+    )
+    assert [c.text for c in plain.choices] == [PROMPT_2 + expected.text] * 2
+    assert plain.choices[0].logprobs is None
+    _assert_usage(plain.usage, len(prompt_ids), 6)
+
+    r = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    choice = r.choices[0]
+    echoed = tokenizer.decode(prompt_ids, skip_special_tokens=False)
+    assert choice.text == echoed + expected.text
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
+    assert lp.top_logprobs is not None and lp.text_offset is not None
+    scored = [*expected.prompt_logprobs, *expected.logprobs]
+    all_ids = prompt_ids + expected.token_ids
+    assert lp.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in all_ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in scored], abs=1e-4)
+    for top, e in zip(lp.top_logprobs[1:], scored, strict=True):
+        want = {tokenizer.decode([t], skip_special_tokens=False): v for t, v in e.top}
+        assert top is not None and set(top) == set(want)
+    offsets = [0]
+    for token in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets
+
+    # Streamed: the first chunk carries the echo, the whole equals the reply above.
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prompt_ids,
+            max_tokens=3,
+            temperature=0,
+            echo=True,
+            logprobs=2,
+            stream=True,
+        )
+    )
+    assert chunks[0].choices[0].text.startswith(echoed)
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
+    assert streamed == lp.tokens
+
+
 def test_completions_two_prompts_in_order(server: LiveServer, ref: Reference) -> None:
     first, second = ref.generate(PROMPT, 8), ref.generate(PROMPT_2, 8)
     r = _client(server).completions.create(
@@ -808,7 +866,6 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
         "messages.0.content: block 0 is of type 'image_url': this model takes only 'text' content"
     )
     for fields, param in [
-        ({"echo": True}, "echo"),
         ({"suffix": "!"}, "suffix"),
         ({"best_of": 2}, "best_of"),
         ({"min_tokens": 3}, "min_tokens"),

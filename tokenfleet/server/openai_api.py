@@ -118,9 +118,12 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False  # the prompt before the completion (with logprobs: its logprobs too)
 
 
-def _params(body: _Common, max_tokens: int, logprobs: int | None, index: int) -> SamplingParams:
+def _params(
+    body: _Common, max_tokens: int, logprobs: int | None, index: int, prompt_logprobs: bool
+) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -130,6 +133,7 @@ def _params(body: _Common, max_tokens: int, logprobs: int | None, index: int) ->
             seed=None if body.seed is None else body.seed + index,
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=logprobs if prompt_logprobs else None,
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             logit_bias=tuple((body.logit_bias or {}).items()),
@@ -219,6 +223,8 @@ class _Run:
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.completion_tokens = [0]
+        # The prompt's logprobs too, where its echo shows them.
+        self.echo = isinstance(body, CompletionRequest) and body.echo
 
     def start(
         self,
@@ -239,7 +245,7 @@ class _Run:
         streams = [
             self.service.generate(
                 p,
-                _params(self.body, m, logprobs, i % self.body.n),
+                _params(self.body, m, logprobs, i % self.body.n, self.echo),
                 stop,
                 route=self.route,
                 priority=self.priority,
@@ -442,10 +448,12 @@ async def completions(request: Request) -> Response:
 
 @dataclass
 class CompletionCall:
-    """A validated completions call: one prompt's token ids per choice (prompt x n)."""
+    """A validated completions call: one prompt's token ids per choice (prompt x n), and
+    with echo its text (as sent, or decoded from token ids; else empty)."""
 
     body: CompletionRequest
     prompts: list[list[int]]
+    texts: list[str]
 
 
 def prepare_completion(service: GenerationService, body: CompletionRequest) -> CompletionCall:
@@ -459,12 +467,13 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
         raise APIError(400, "invalid_request", message, param="best_of")
     body.check_logit_bias(service.vocab_size)
     raw = body.prompt
-    if isinstance(raw, str):
-        prompts = [service.tokenizer.encode(raw)]
-    elif raw and all(isinstance(p, int) for p in raw):
-        prompts = [list(raw)]  # type: ignore[arg-type]
+    tokenizer = service.tokenizer
+    sent: list[str | list[int]]
+    if isinstance(raw, str) or (raw and all(isinstance(p, int) for p in raw)):
+        sent = [raw]  # type: ignore[list-item]
     else:
-        prompts = [service.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]  # type: ignore[arg-type]
+        sent = list(raw)  # type: ignore[arg-type]
+    prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in sent]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "invalid_request", "prompt must not be empty", param="prompt")
     vocab = service.vocab_size
@@ -474,7 +483,16 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
                 400, "invalid_request", f"prompt token ids must be in [0, {vocab})", param="prompt"
             )
         service.check_length(len(p), body.max_tokens, "max_tokens")
-    return CompletionCall(body, [p for p in prompts for _ in range(body.n)])
+    texts = [""] * len(sent)
+    if body.echo:
+        texts = [
+            p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False)
+            for p in sent
+        ]
+    n = body.n
+    return CompletionCall(
+        body, [p for p in prompts for _ in range(n)], [t for t in texts for _ in range(n)]
+    )
 
 
 async def run_completion(
@@ -498,7 +516,7 @@ async def _completions(
             expanded, [body.max_tokens] * len(expanded), body.logprobs, announce=bool(body.stream)
         )
     )
-    render = _CompletionChoices(service.tokenizer, body, run, len(expanded))
+    render = _CompletionChoices(service.tokenizer, call, run)
 
     if body.stream:
 
@@ -524,22 +542,43 @@ async def _completions(
 
 
 class _CompletionChoices:
-    """Renders text_completion objects and their choices (logprob offsets carry on)."""
+    """Renders text_completion objects and their choices (logprob offsets carry on). With
+    echo, a choice's first rendering starts with its prompt (and the prompt's logprobs:
+    none for its first token)."""
 
-    def __init__(
-        self, tokenizer: Tokenizer, body: CompletionRequest, run: _Run, num_choices: int
-    ) -> None:
-        self.tokenizer, self.body, self.run = tokenizer, body, run
-        self.offsets = [0] * num_choices
+    def __init__(self, tokenizer: Tokenizer, call: CompletionCall, run: _Run) -> None:
+        self.tokenizer, self.call, self.body, self.run = tokenizer, call, call.body, run
+        self.offsets = [len(t) for t in call.texts]  # (empty but with echo)
+        self.to_echo = set(range(len(call.prompts))) if call.body.echo else set()
 
     def choice(self, i: int, d: TextDelta, text: str) -> dict[str, Any]:
         lp = None
+        echo = i in self.to_echo
+        self.to_echo.discard(i)
         if self.body.logprobs is not None:
             lp = _completion_logprobs(self.tokenizer, d.logprobs, self.offsets[i])
             if lp["tokens"]:  # a stream's next chunk goes on from the last token's end
                 self.offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            if echo:
+                lp = self._with_prompt(i, d.prompt_logprobs or [], lp)
+        if echo:
+            text = self.call.texts[i] + text
         reason = FINISH_REASONS.get(d.finish_reason, "stop") if d.finish_reason else None
         return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
+    def _with_prompt(
+        self, i: int, entries: list[TokenLogprobs], completion: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The prompt's tokens, logprobs and offsets (from 0), then the completion's."""
+        prompt = _completion_logprobs(self.tokenizer, entries, 0)
+        first = _token_text(self.tokenizer, self.call.prompts[i][0])
+        offsets = [0] + [o + len(first) for o in prompt["text_offset"]]
+        return {
+            "tokens": [first, *prompt["tokens"], *completion["tokens"]],
+            "token_logprobs": [None, *prompt["token_logprobs"], *completion["token_logprobs"]],
+            "top_logprobs": [None, *prompt["top_logprobs"], *completion["top_logprobs"]],
+            "text_offset": offsets + completion["text_offset"],
+        }
 
     def data(
         self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None
@@ -567,19 +606,23 @@ async def _completion_body(
     merged: AsyncIterator[tuple[int, TextDelta]],
 ) -> dict[str, Any]:
     expanded = call.prompts
-    render = _CompletionChoices(service.tokenizer, call.body, run, len(expanded))
+    render = _CompletionChoices(service.tokenizer, call, run)
     texts = [""] * len(expanded)
     entries: list[list[TokenLogprobs]] = [[] for _ in expanded]
+    prompt_entries: list[list[TokenLogprobs] | None] = [None] * len(expanded)
     last: list[TextDelta | None] = [None] * len(expanded)
     async with contextlib.aclosing(merged):  # type: ignore[type-var]
         async for i, d in merged:
             texts[i] += d.text
             entries[i] += d.logprobs
+            if d.prompt_logprobs is not None:
+                prompt_entries[i] = d.prompt_logprobs
             run.completion_tokens[i] = d.num_output_tokens
             last[i] = d
     choices = []
     for i, final in enumerate(last):
         assert final is not None
         whole = TextDelta(texts[i], [], final.num_output_tokens, entries[i], final.finish_reason)
+        whole.prompt_logprobs = prompt_entries[i]
         choices.append(render.choice(i, whole, texts[i]))
     return render.data(choices, run.usage())

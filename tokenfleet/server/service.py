@@ -78,6 +78,7 @@ class TextDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_sequence: str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, if asked
 
 
 # The server's task of the HTTP request being served (OnTheWay.entered), in its context.
@@ -311,6 +312,7 @@ class GenerationService:
                         shown = shown[:-1]
                     text, matched = stopper.feed(detok.add_tokens(shown))
                     delta = TextDelta(text, out.new_token_ids, num_output, out.logprobs or [])
+                    delta.prompt_logprobs = out.prompt_logprobs
                     if matched is not None:
                         delta.finish_reason, delta.stop_sequence = "stop_sequence", matched
                     elif out.finished:

@@ -47,7 +47,6 @@ OPENAI_MESSAGE: Mapping[str, tuple[Unasked, str]] = {
 }
 OPENAI_COMPLETION: Mapping[str, tuple[Unasked, str]] = {
     **{name: OPENAI_CHAT[name] for name in ("repetition_penalty", "min_p", "min_tokens")},
-    "echo": (_empty, "echoing the prompt"),
     "suffix": (_empty, "suffix (insertion)"),
 }
 ANTHROPIC_MESSAGES: Mapping[str, tuple[Unasked, str]] = {
