@@ -22,7 +22,13 @@ from starlette.types import Message, Receive, Scope, Send
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.engine_client import AsyncEngineClient
 from tokenfleet.model_folder import resolve_model_folder
-from tokenfleet.server import anthropic_api, anthropic_batches, openai_api, openai_batches
+from tokenfleet.server import (
+    anthropic_api,
+    anthropic_batches,
+    openai_batches,
+    openai_chat,
+    openai_completions,
+)
 from tokenfleet.server.anthropic_batches import iso
 from tokenfleet.server.batch_input import ENDPOINTS
 from tokenfleet.server.batch_state import BatchState
@@ -55,8 +61,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 # The generation routes: served in front of FastAPI's stack (Gateway), and on the routers.
 DIRECT_ROUTES: dict[str, Endpoint] = {
     "/v1/messages": anthropic_api.create_message,
-    "/v1/chat/completions": openai_api.chat_completions,
-    "/v1/completions": openai_api.completions,
+    "/v1/chat/completions": openai_chat.chat_completions,
+    "/v1/completions": openai_completions.completions,
 }
 
 
@@ -226,7 +232,8 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     app.include_router(anthropic_batches.router)  # before /v1/messages/{...} could shadow it
     app.include_router(anthropic_api.router)
-    app.include_router(openai_api.router)
+    app.include_router(openai_chat.router)
+    app.include_router(openai_completions.router)
     app.include_router(openai_batches.router)
     return app
 

@@ -19,7 +19,7 @@ import ijson
 from pydantic import BaseModel
 
 from tokenfleet.batch.schema import NewRequest
-from tokenfleet.server import anthropic_api, openai_api
+from tokenfleet.server import anthropic_api, openai_api, openai_chat, openai_completions
 from tokenfleet.server.body import parse_body
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.service import GenerationService
@@ -58,14 +58,14 @@ ENDPOINTS = {
         Endpoint(
             "/v1/chat/completions",
             openai_api.ChatRequest,
-            openai_api.prepare_chat,
-            openai_api.run_chat,
+            openai_chat.prepare_chat,
+            openai_chat.run_chat,
         ),
         Endpoint(
             "/v1/completions",
             openai_api.CompletionRequest,
-            openai_api.prepare_completion,
-            openai_api.run_completion,
+            openai_completions.prepare_completion,
+            openai_completions.run_completion,
         ),
     )
 }

@@ -1,0 +1,198 @@
+"""OpenAI Chat Completions: POST /v1/chat/completions (JSON or SSE chunks)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenfleet.outputs import TokenLogprobs
+from tokenfleet.server.errors import APIError, openai_error_body
+from tokenfleet.server.openai_api import (
+    FINISH_REASONS,
+    ChatRequest,
+    Run,
+    reply,
+    token_text,
+)
+from tokenfleet.server.service import GenerationService, TextDelta
+from tokenfleet.server.sse import EventStream, prime, sse_event
+from tokenfleet.server.unsupported import OPENAI_CHAT, OPENAI_MESSAGE, refuse_unsupported
+from tokenfleet.tokenizer import Tokenizer
+
+router = APIRouter()
+
+
+def _chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return [
+        {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+        for e in entries
+    ]
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> Response:
+    return await reply(request, ChatRequest, _chat_completions)
+
+
+@dataclass
+class ChatCall:
+    """A validated chat completion call: what it sent, and its prompt's token ids."""
+
+    body: ChatRequest
+    prompt: list[int]
+    max_tokens: int
+    num_top: int | None  # top logprobs per token; None: no logprobs
+
+
+def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
+    """Every check of a chat completion call that needs no engine time."""
+    service.check_model(body.model)
+    body.stop_list()
+    refuse_unsupported(body, OPENAI_CHAT)
+    for i, m in enumerate(body.messages):
+        refuse_unsupported(m, OPENAI_MESSAGE, f"messages.{i}.")
+    body.check_logit_bias(service.vocab_size)
+    messages = []
+    for m in body.messages:
+        content = (
+            m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
+        )
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    prompt = service.render_chat(messages)
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(service.max_model_len - len(prompt), 1)
+    service.check_length(len(prompt), max_tokens, param)
+    num_top = (body.top_logprobs or 0) if body.logprobs else None
+    return ChatCall(body, prompt, max_tokens, num_top)
+
+
+async def run_chat(service: GenerationService, call: ChatCall, priority: str) -> dict[str, Any]:
+    """A non-streamed chat completion, as its JSON body (the Batch API's path)."""
+    run = Run(service, call.body, "/v1/chat/completions", priority)
+    merged = run.start([call.prompt] * call.body.n, [call.max_tokens] * call.body.n, call.num_top)
+    return await _chat_body(service, call, run, merged)
+
+
+async def _chat_completions(
+    service: GenerationService, body: ChatRequest
+) -> JSONResponse | EventStream:
+    call = prepare_chat(service, body)
+    num_top = call.num_top
+    run = Run(service, body, "/v1/chat/completions", "interactive")
+    merged = await prime(
+        run.start(
+            [call.prompt] * body.n, [call.max_tokens] * body.n, num_top, announce=bool(body.stream)
+        )
+    )
+    tokenizer = service.tokenizer
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> bytes:
+        data: dict[str, Any] = {
+            "id": run.id,
+            "object": "chat.completion.chunk",
+            "created": run.created,
+            "model": body.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if body.stream_options and body.stream_options.include_usage:
+            data["usage"] = usage
+        return sse_event(data)
+
+    if body.stream:
+
+        async def events() -> AsyncIterator[bytes]:
+            for i in range(body.n):
+                delta = {"role": "assistant", "content": ""}
+                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+            async with contextlib.aclosing(merged):  # type: ignore[type-var]
+                try:
+                    async for i, d in merged:
+                        if not d.token_ids and d.finish_reason is None:
+                            continue  # the engine has it: nothing to send yet
+                        run.completion_tokens[i] = d.num_output_tokens
+                        lp = (
+                            {"content": _chat_logprobs(tokenizer, d.logprobs)}
+                            if num_top is not None
+                            else None
+                        )
+                        reason = (
+                            FINISH_REASONS.get(d.finish_reason or "") if d.finish_reason else None
+                        )
+                        if d.text or lp:
+                            choice = {
+                                "index": i,
+                                "delta": {"content": d.text},
+                                "logprobs": lp,
+                                "finish_reason": None,
+                            }
+                            yield chunk([choice])
+                        if reason:
+                            yield chunk(
+                                [
+                                    {
+                                        "index": i,
+                                        "delta": {},
+                                        "logprobs": None,
+                                        "finish_reason": reason,
+                                    }
+                                ]
+                            )
+                except APIError as exc:
+                    yield sse_event(openai_error_body(exc.kind, exc.message, exc.param))
+                    return
+            if body.stream_options and body.stream_options.include_usage:
+                yield chunk([], run.usage())
+            yield sse_event("[DONE]")
+
+        return EventStream(events())
+
+    return JSONResponse(await _chat_body(service, call, run, merged))
+
+
+async def _chat_body(
+    service: GenerationService,
+    call: ChatCall,
+    run: Run,
+    merged: AsyncIterator[tuple[int, TextDelta]],
+) -> dict[str, Any]:
+    body, n = call.body, call.body.n
+    texts = [""] * n
+    logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+    reasons = ["stop"] * n
+    async with contextlib.aclosing(merged):  # type: ignore[type-var]
+        async for i, d in merged:
+            texts[i] += d.text
+            logprobs[i] += _chat_logprobs(service.tokenizer, d.logprobs)
+            run.completion_tokens[i] = d.num_output_tokens
+            if d.finish_reason:
+                reasons[i] = FINISH_REASONS.get(d.finish_reason, "stop")
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i], "refusal": None},
+            "logprobs": {"content": logprobs[i]} if call.num_top is not None else None,
+            "finish_reason": reasons[i],
+        }
+        for i in range(n)
+    ]
+    return {
+        "id": run.id,
+        "object": "chat.completion",
+        "created": run.created,
+        "model": body.model,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": run.usage(),
+    }
