@@ -598,6 +598,22 @@ def test_completions_echo_with_the_prompts_logprobs(server: LiveServer, ref: Ref
     streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens or [])]  # type: ignore[union-attr]
     assert streamed == lp.tokens
 
+    # max_tokens 0: the prompt scored, nothing generated (only with echo).
+    scored_only = client.completions.create(
+        model=MODEL, prompt=prompt_ids, max_tokens=0, echo=True, logprobs=2
+    )
+    only = scored_only.choices[0]
+    assert only.text == echoed and only.finish_reason == "length"
+    assert only.logprobs is not None and only.logprobs.tokens == lp.tokens[: len(prompt_ids)]
+    assert only.logprobs.token_logprobs is not None and only.logprobs.token_logprobs[0] is None
+    assert only.logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1 : len(prompt_ids)], abs=1e-4
+    )
+    _assert_usage(scored_only.usage, len(prompt_ids), 0)
+    body = {"model": MODEL, "prompt": PROMPT_2, "max_tokens": 0}
+    error = _error(httpx.post(server.url + CMPL_ROUTE, json=body), 400)
+    assert error["param"] == "max_tokens" and "echo" in error["message"]
+
 
 def test_completions_two_prompts_in_order(server: LiveServer, ref: Reference) -> None:
     first, second = ref.generate(PROMPT, 8), ref.generate(PROMPT_2, 8)

@@ -109,7 +109,7 @@ class ChatRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored and nothing more
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False  # the prompt before the completion (with logprobs: its logprobs too)
 

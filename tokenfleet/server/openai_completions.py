@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,9 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
         message = "best_of: only best_of equal to n is supported"
         raise APIError(400, "invalid_request", message, param="best_of")
     body.check_logit_bias(service.vocab_size)
+    if body.max_tokens == 0 and not body.echo:
+        message = "max_tokens: 0 only with echo (the prompt scored, nothing generated)"
+        raise APIError(400, "invalid_request", message, param="max_tokens")
     raw = body.prompt
     tokenizer = service.tokenizer
     sent: list[str | list[int]]
@@ -84,7 +87,7 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
             raise APIError(
                 400, "invalid_request", f"prompt token ids must be in [0, {vocab})", param="prompt"
             )
-        service.check_length(len(p), body.max_tokens, "max_tokens")
+        service.check_length(len(p), max(body.max_tokens, 1), "max_tokens")
     texts = [""] * len(sent)
     if body.echo:
         texts = [
@@ -101,23 +104,36 @@ async def run_completion(
     service: GenerationService, call: CompletionCall, priority: str
 ) -> dict[str, Any]:
     """A non-streamed completion, as its JSON body (the Batch API's path)."""
-    body, expanded = call.body, call.prompts
-    run = Run(service, body, "/v1/completions", priority)
-    merged = run.start(expanded, [body.max_tokens] * len(expanded), body.logprobs)
-    return await _completion_body(service, call, run, merged)
+    run = Run(service, call.body, "/v1/completions", priority)
+    return await _completion_body(service, call, run, _start(call, run))
+
+
+def _start(
+    call: CompletionCall, run: Run, *, announce: bool = False
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    """The choices' merged deltas. For max_tokens 0 (echo: scoring the prompt) the engine
+    is asked for one token, and none of it is shown."""
+    body, prompts = call.body, call.prompts
+    most = [max(body.max_tokens, 1)] * len(prompts)
+    merged = run.start(prompts, most, body.logprobs, announce=announce)
+    return merged if body.max_tokens else _prompt_only(merged)
+
+
+async def _prompt_only(
+    merged: AsyncIterator[tuple[int, TextDelta]],
+) -> AsyncGenerator[tuple[int, TextDelta], None]:
+    async with contextlib.aclosing(merged):  # type: ignore[type-var]
+        async for i, d in merged:
+            reason = "length" if d.finish_reason else None
+            yield i, TextDelta("", [], 0, [], reason, prompt_logprobs=d.prompt_logprobs)
 
 
 async def _completions(
     service: GenerationService, body: CompletionRequest
 ) -> JSONResponse | EventStream:
     call = prepare_completion(service, body)
-    expanded = call.prompts
     run = Run(service, body, "/v1/completions", "interactive")
-    merged = await prime(
-        run.start(
-            expanded, [body.max_tokens] * len(expanded), body.logprobs, announce=bool(body.stream)
-        )
-    )
+    merged = await prime(_start(call, run, announce=bool(body.stream)))
     render = _CompletionChoices(service.tokenizer, call, run)
 
     if body.stream:
