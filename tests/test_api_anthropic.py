@@ -657,7 +657,7 @@ def test_unsupported_features_are_400s_naming_them(server: LiveServer, refs: Ref
     client = _client(server, max_retries=0)
     with pytest.raises(anthropic.BadRequestError, match="tool use is not supported"):
         client.messages.create(model=MODEL, max_tokens=4, messages=ANSWER, tools=[tool])  # type: ignore[list-item]
-    defaults = {"tools": [], "thinking": {"type": "disabled"}}
+    defaults = {"tools": [], "tool_choice": {"type": "none"}, "thinking": {"type": "disabled"}}
     answer = client.messages.create(
         model=MODEL, max_tokens=MAX_TOKENS, messages=ANSWER, extra_body=GREEDY | defaults
     )

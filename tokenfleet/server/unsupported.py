@@ -51,7 +51,7 @@ OPENAI_COMPLETION: Mapping[str, tuple[Unasked, str]] = {
 }
 ANTHROPIC_MESSAGES: Mapping[str, tuple[Unasked, str]] = {
     "tools": (_empty, "tool use"),
-    "tool_choice": (_empty, "tool use"),
+    "tool_choice": (lambda v: _empty(v) or v == {"type": "none"}, "tool use"),
     "thinking": (lambda v: v is None or v == {"type": "disabled"}, "extended thinking"),
     "mcp_servers": (_empty, "MCP servers"),
 }
