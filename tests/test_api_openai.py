@@ -847,6 +847,26 @@ def test_penalties_and_logit_bias_equal_the_engine(server: LiveServer, ref: Refe
     assert expected.token_ids != ref.generate(PROMPT_2, 24).token_ids
 
 
+def test_stop_token_ids_end_the_choice_at_that_token(server: LiveServer, ref: Reference) -> None:
+    """vLLM's stop_token_ids, served as the engine serves it: the choice ends at the first
+    of them with finish_reason stop, its text without that token's, counted in usage."""
+    greedy = ref.chat(LONG_CHAT, 20)
+    k = next(i for i in range(3, 20) if greedy.token_ids[i] not in greedy.token_ids[:i])
+    r = _client(server).chat.completions.create(
+        model=MODEL,
+        messages=LONG_CHAT,  # type: ignore[arg-type]
+        max_tokens=20,
+        temperature=0,
+        extra_body={"stop_token_ids": [greedy.token_ids[k], 49151]},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == ref.llm.tokenizer.decode(greedy.token_ids[:k])
+    _assert_usage(r.usage, len(greedy.prompt_token_ids), k + 1)
+    body = _chat_body(EOS_CHAT, stop_token_ids=[49152])
+    error = _error(httpx.post(server.url + CHAT_ROUTE, json=body), 400)
+    assert error["param"] == "stop_token_ids" and "49152" in error["message"]
+
+
 def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None:
     """A parameter this server does not serve, asked for, is a 400 naming it (not a reply
     that ignored it); the same parameter at its default value is no error."""

@@ -65,7 +65,8 @@ class CommonRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # vLLM's extras, served: ignore_eos, top_k, stop_token_ids
+    stop_token_ids: list[int] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # token id -> bias (JSON object keys are strings; pydantic reads them as ints)
@@ -88,15 +89,20 @@ class CommonRequest(BaseModel):
                     )
         return value
 
-    def check_logit_bias(self, vocab: int) -> None:
-        bad = next((t for t in self.logit_bias or {} if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(
-                400,
-                "invalid_request",
-                f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})",
-                param="logit_bias",
-            )
+    def check_token_ids(self, vocab: int) -> None:
+        """logit_bias and stop_token_ids name tokens of the vocabulary."""
+        for param, ids in (
+            ("logit_bias", self.logit_bias),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            bad = next((t for t in ids or () if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(
+                    400,
+                    "invalid_request",
+                    f"{param}: token id {bad} is outside the vocabulary [0, {vocab})",
+                    param=param,
+                )
 
 
 class ChatRequest(CommonRequest):
@@ -125,6 +131,7 @@ def sampling_params(
             top_k=body.top_k,
             seed=None if body.seed is None else body.seed + index,
             ignore_eos=body.ignore_eos,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             logprobs=logprobs,
             prompt_logprobs=logprobs if prompt_logprobs else None,
             presence_penalty=body.presence_penalty,

@@ -60,7 +60,7 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
     refuse_unsupported(body, OPENAI_CHAT)
     for i, m in enumerate(body.messages):
         refuse_unsupported(m, OPENAI_MESSAGE, f"messages.{i}.")
-    body.check_logit_bias(service.vocab_size)
+    body.check_token_ids(service.vocab_size)
     messages = []
     for m in body.messages:
         content = (

@@ -67,7 +67,7 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
     if best_of is not None and best_of not in (1, body.n):
         message = "best_of: only best_of equal to n is supported"
         raise APIError(400, "invalid_request", message, param="best_of")
-    body.check_logit_bias(service.vocab_size)
+    body.check_token_ids(service.vocab_size)
     if body.max_tokens == 0 and not body.echo:
         message = "max_tokens: 0 only with echo (the prompt scored, nothing generated)"
         raise APIError(400, "invalid_request", message, param="max_tokens")
