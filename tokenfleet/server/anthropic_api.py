@@ -97,6 +97,8 @@ def _check_contents(body: CountTokensRequest) -> None:
 
 
 def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
+    """The checked conversation's token ids (count_tokens and Messages alike)."""
+    refuse_unsupported(body, ANTHROPIC_MESSAGES)
     service.check_model(body.model)
     _check_contents(body)
     messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
@@ -108,7 +110,6 @@ def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> JSONResponse:
     body = await read_body(request, CountTokensRequest)
-    refuse_unsupported(body, ANTHROPIC_MESSAGES)
     return JSONResponse({"input_tokens": len(_prompt(request.app.state.service, body))})
 
 
@@ -123,7 +124,6 @@ class MessageCall:
 
 def prepare_message(service: GenerationService, body: MessagesRequest) -> MessageCall:
     """Every check of a Messages call that needs no engine time."""
-    refuse_unsupported(body, ANTHROPIC_MESSAGES)
     prompt = _prompt(service, body)
     service.check_length(len(prompt), body.max_tokens, "max_tokens")
     try:
