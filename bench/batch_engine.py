@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add = parser.add_argument
     add("--num-requests", type=int, default=200, help="batch requests (default %(default)s)")
     add("--num-threads", type=int, default=1, help="torch threads (default %(default)s)")
+    add("--dtype", default="float32", help="model dtype (default %(default)s)")
+    add("--linear-backend", default="auto", choices=["auto", "torch", "onednn"])
     add("--max-model-len", type=int, default=2048, help="(default %(default)s)")
     add("--max-num-seqs", type=int, default=64, help="(default %(default)s)")
     add("--max-num-batched-tokens", type=int, default=512, help="(default %(default)s)")
@@ -96,6 +98,8 @@ def add_batch(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(
         num_threads=args.num_threads,
+        dtype=args.dtype,
+        linear_backend=args.linear_backend,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -136,6 +140,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steady = [s for s in steps if s["in_engine"] >= steady_at]
     steady_s = sum(s["seconds"] for s in steady)
     return {
+        "dtype": args.dtype,
+        "linear_backend": core.runner.model.linear_backend,
         "num_requests": len(specs),
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,

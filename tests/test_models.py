@@ -12,6 +12,7 @@ import torch
 from reference import assert_matches_transformers
 
 from tokenfleet import LLM, SamplingParams
+from tokenfleet.config import EngineConfig
 from tokenfleet.errors import ModelLoadError
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41], list(range(20, 57)), [7] * 3]
@@ -140,11 +141,13 @@ def test_folder_without_weights_is_a_clear_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 64])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_vocab_logits_in_blocks_equal_the_whole_product(rows: int, transposed: bool) -> None:
-    """The CPU float32 logits, in blocks of the vocabulary (and for one row through the
-    transposed copy, where tune_vocab_projection keeps it), are the one product's, to the float: a
-    vocabulary that is not a multiple of the block, and the tied embedding weight."""
+@pytest.mark.parametrize("way", ["blocks", "transposed", "onednn"])
+def test_vocab_logits_equal_the_whole_product(rows: int, way: str) -> None:
+    """The CPU float32 logits, in blocks of the vocabulary, through oneDNN's packed copy, or
+    for one row through the transposed copy (each where tune_products keeps it), are the one
+    product's, to float rounding: a vocabulary that is not a multiple of the block, and the
+    tied embedding weight."""
+    from tokenfleet.models import packed
     from tokenfleet.models.config import ModelConfig
     from tokenfleet.models.llama import VOCAB_BLOCK, LlamaForCausalLM
 
@@ -163,9 +166,11 @@ def test_vocab_logits_in_blocks_equal_the_whole_product(rows: int, transposed: b
         }
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)  # no transposed copy until set here
-    if transposed:
+    model = LlamaForCausalLM(config)  # blocks until tune_products or set here
+    if way == "transposed":
         model._weight_t = model.lm_head.weight.detach().t().contiguous()
+    elif way == "onednn":
+        model._vocab_packed = packed.pack(model.lm_head.weight)
     h = torch.randn(rows, 64)
     with torch.inference_mode():
         whole = torch.nn.functional.linear(h, model.embed_tokens.weight)
@@ -173,3 +178,30 @@ def test_vocab_logits_in_blocks_equal_the_whole_product(rows: int, transposed: b
     assert got.shape == (rows, 2 * VOCAB_BLOCK + 77)
     torch.testing.assert_close(got, whole, rtol=1e-6, atol=1e-5)
     assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))
+
+
+@pytest.mark.parametrize("backend", ["torch", "onednn"])
+def test_linear_backend_is_chosen_and_matches_transformers(tmp_path: Path, backend: str) -> None:
+    """linear_backend "onednn" runs every decoder product and the vocabulary through
+    oneDNN's packed weights (no nn.Linear left in the layers), "torch" through torch's BLAS;
+    both give transformers' greedy tokens and logprobs. "auto" picks one of them by timing."""
+    from tokenfleet.models.packed import PackedLinear
+
+    folder, hf = _make(tmp_path, "llama-linear-rope-bias")  # biases: the packed op adds them
+    llm = LLM(str(folder), block_size=4, kv_cache_memory=4 << 20, linear_backend=backend)
+    model = llm.engine.runner.model
+    assert model.linear_backend == backend
+    layers = list(model.layers.modules())
+    assert any(isinstance(m, PackedLinear) for m in layers) == (backend == "onednn")
+    assert any(isinstance(m, torch.nn.Linear) for m in layers) == (backend == "torch")
+    assert (model._vocab_packed is not None) == (backend == "onednn")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        assert_matches_transformers(hf, prompt, out, num_top=3)
+    auto = LLM(str(folder), block_size=4, kv_cache_memory=4 << 20)
+    assert auto.engine.runner.model.linear_backend in ("torch", "onednn")
+
+
+def test_linear_backend_is_checked() -> None:
+    with pytest.raises(ValueError, match="linear_backend must be one of"):
+        EngineConfig(linear_backend="mkl")

@@ -8,6 +8,7 @@ from tokenfleet.reserve import check_reserve_settings
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch")
+_LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
@@ -101,7 +102,10 @@ class EngineConfig:
 
     `model` None means the bundled SmolLM2-135M-Instruct, converted on first use.
     `attention_backend` "auto" decodes with the fused C kernel on CPU float32 when a C
-    compiler is there; "torch" always gathers blocks and calls SDPA.
+    compiler is there; "torch" always gathers blocks and calls SDPA. `linear_backend`
+    "auto" runs the linear layers on CPU float32 through oneDNN's packed weights where a
+    timing at load finds them faster than torch's BLAS (models/packed.py); "onednn" always,
+    "torch" never.
     The harvest budget (harvest.py): while interactive streams run, batch tokens join a
     step only while its predicted time stays within `tpot_target_s` * (1 -
     `harvest_margin`); the default target is the reference GPU's. The same limit cuts
@@ -119,6 +123,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     # "model" runs the model; "fixed" answers a fixed token without running it (plumbing
     # tests at a scale the real model cannot reach in CI).
     runner: str = "model"
@@ -151,6 +156,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {_ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.linear_backend not in _LINEAR_BACKENDS:
+            raise ValueError(
+                f"linear_backend must be one of {_LINEAR_BACKENDS}, got {self.linear_backend!r}"
             )
         if self.runner not in ("model", "fixed"):
             raise ValueError(f"runner must be 'model' or 'fixed', got {self.runner!r}")

@@ -72,6 +72,7 @@ class EngineCore:
                 max_model_len=max_len,
                 seed=config.seed,
                 attention_backend=config.attention_backend,
+                linear_backend=config.linear_backend,
             )
         self.model_config = self.runner.config
         block_size = config.cache.block_size

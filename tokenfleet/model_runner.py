@@ -48,6 +48,7 @@ class ModelRunner:
         max_model_len: int,
         seed: int = 0,
         attention_backend: str = "auto",
+        linear_backend: str = "auto",
     ) -> None:
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype]
@@ -57,7 +58,13 @@ class ModelRunner:
             and self.dtype == torch.float32
             and paged_attention_lib() is not None
         )
-        self.model = load_model(model_folder, self.device, self.dtype, use_kernel=self.use_kernel)
+        self.model = load_model(
+            model_folder,
+            self.device,
+            self.dtype,
+            use_kernel=self.use_kernel,
+            linear_backend=linear_backend,
+        )
         self.config: ModelConfig = self.model.config
         self.block_size = cache_config.block_size
         kv_dtype = cache_config.kv_cache_dtype

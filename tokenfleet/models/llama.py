@@ -7,14 +7,12 @@ q/k/v and gate/up are fused into one matmul each; the loader fills their slices.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenfleet.attention import AttentionMetadata, PagedAttention
+from tokenfleet.models import packed
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.rope import apply_rope
 
@@ -124,7 +122,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._weight_t: torch.Tensor | None = None  # see tune_vocab_projection
+        # The CPU float32 products' ways, chosen by tune_products (by timing) at load.
+        self._weight_t: torch.Tensor | None = None
+        self._vocab_packed: torch.Tensor | None = None
+        self.linear_backend = "torch"
 
     def forward(
         self,
@@ -141,39 +142,51 @@ class LlamaForCausalLM(nn.Module):
         return self.vocab_logits(self.norm(x[logits_idx])).float()
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """h @ lm_head.weight.T. On CPU in float32 the one [V, H] product is slow for a few
-        rows (the vocabulary's weight, 113 MB for the bundled model, is read per step): in
-        blocks of VOCAB_BLOCK rows of the weight it is 1.2-2x faster at 2-64 rows (measured
-        on an AMD EPYC, one thread: 2 rows 24.8 -> 16.1 ms, 8 rows 20.9 -> 15.9, 64 rows 62.9
-        -> 49.7), with the same sums; one row goes through the transposed copy where
-        `tune_vocab_projection` found that faster (11.3 -> 5.8 ms there)."""
+        """h @ lm_head.weight.T. On CPU in float32 the one [V, H] product through the BLAS
+        is slow for a few rows (the vocabulary's weight, 113 MB for the bundled model, is
+        read per step): oneDNN's packed copy where `tune_products` found it faster, else in
+        blocks of VOCAB_BLOCK rows of the weight, 1.2-2x faster than the one product at
+        2-64 rows (AMD EPYC, one thread: 2 rows 24.8 -> 16.1 ms, 8 rows 20.9 -> 15.9, 64
+        rows 62.9 -> 49.7) with the same sums; one row through the transposed copy where
+        that was faster still (11.3 -> 5.8 ms there)."""
         if h.device.type != "cpu" or h.dtype != torch.float32:
             return self.lm_head(h)
         if h.shape[0] == 1 and self._weight_t is not None:
             return h @ self._weight_t
+        if self._vocab_packed is not None:
+            return packed.packed_linear(h, self._vocab_packed, None)
         return vocab_blocks(h, self.lm_head.weight)
 
-    def tune_vocab_projection(self, repeats: int = 3) -> None:
-        """Keep a transposed copy of the vocabulary's weight for one-row products (a decode
-        step of one stream) if it is faster on this machine than the blocks: timed here,
-        once, since which is faster depends on the CPU and its BLAS."""
-        self._weight_t = None
+    def tune_products(self, linear_backend: str = "auto", repeats: int = 3) -> None:
+        """Choose how the CPU float32 products run, timed here, once, since which way is
+        faster depends on the CPU and its BLAS: the decoder's linear layers and the
+        vocabulary through oneDNN's packed weights (`linear_backend` "auto": where
+        packed.faster says so on a decoder layer's weight; "onednn": always; "torch":
+        never); and a transposed copy of the vocabulary's weight for one-row products (a
+        decode step of one stream) if that beats the way chosen for more rows. The packed
+        vocabulary is a copy beside the embedding's weight (tied or not): one more
+        [V, H] float32 tensor in memory."""
+        self._weight_t = self._vocab_packed = None
+        self.linear_backend = "torch"
         weight = self.lm_head.weight
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            if linear_backend == "onednn":
+                raise ValueError("linear_backend 'onednn' needs float32 weights on the CPU")
             return
+        if linear_backend == "onednn" and not packed.available():
+            raise ValueError("linear_backend 'onednn': this PyTorch build has no oneDNN")
+        if linear_backend == "onednn" or (
+            linear_backend == "auto"
+            and packed.available()
+            and packed.faster(self.layers[0].mlp.gate_up_proj.weight, repeats)
+        ):
+            packed.pack_linears(self.layers)
+            self._vocab_packed = packed.pack(weight)
+            self.linear_backend = "onednn"
         weight_t = weight.detach().t().contiguous()
         h = torch.randn(1, weight.shape[1])
-
-        def best(f: Callable[[], torch.Tensor]) -> float:
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                f()
-                times.append(time.perf_counter() - start)
-            return min(times)
-
         with torch.inference_mode():
-            blocks = best(lambda: self.vocab_logits(h))
-            transposed = best(lambda: h @ weight_t)
-        if transposed < blocks:
+            chosen = packed.best_time(lambda: self.vocab_logits(h), repeats)
+            transposed = packed.best_time(lambda: h @ weight_t, repeats)
+        if transposed < chosen:
             self._weight_t = weight_t

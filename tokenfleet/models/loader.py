@@ -53,7 +53,12 @@ def _target(model: LlamaForCausalLM, name: str) -> tuple[torch.Tensor, int, int]
 
 
 def load_model(
-    folder: Path, device: torch.device, dtype: torch.dtype, *, use_kernel: bool = True
+    folder: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    use_kernel: bool = True,
+    linear_backend: str = "auto",
 ) -> LlamaForCausalLM:
     config = ModelConfig.from_folder(folder)
     files = sorted(folder.glob("*.safetensors"))
@@ -90,5 +95,6 @@ def load_model(
     if missing:
         raise ModelLoadError(f"model folder {folder} lacks weights for {missing[:5]}")
     model.eval()
-    model.tune_vocab_projection()
+    model.tune_products(linear_backend)
+    logger.info("linear layers: %s", model.linear_backend)
     return model
