@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from offline_throughput import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.loadgen.workload import prompt_text
+from tokenfleet.loadgen.workload import build_workload, prompt_text
 from tokenfleet.outputs import EngineCoreRequest
 from tokenfleet.request import PRIORITY_INTERACTIVE
 
@@ -53,6 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--warm-up", type=float, default=20.0, help="seconds left out of the summary")
     add("--first-at", type=float, default=5.0, help="the first interactive request (s)")
     add("--gap", type=float, default=3.0, help="seconds from one interactive end to the next")
+    add(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="interactive requests/s as mixed_load's workload draws them (Poisson arrivals, "
+        "its seeded lengths and prompts, any number at once) instead of one at a time",
+    )
     add("--interactive-prompt-len", type=int, default=216, help="(the workload's mean)")
     add("--interactive-output-len", type=int, default=53, help="(the workload's mean)")
     add("--num-requests", type=int, default=200, help="batch requests")
@@ -81,16 +89,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     interactive = SamplingParams(
         max_tokens=args.interactive_output_len, temperature=0, ignore_eos=True
     )
+    # --rate: (arrival s, prompt ids, params) of the workload's interactive requests.
+    arrivals: list[tuple[float, list[int], SamplingParams]] = []
+    if args.rate:
+        drawn = replace(workload, rate=args.rate, duration_s=args.duration, num_batch=0)
+        for spec in build_workload(drawn):
+            ids = tokenizer.encode(prompt_text(drawn, spec))
+            params = SamplingParams(max_tokens=spec.output_len, temperature=0, ignore_eos=True)
+            arrivals.append((args.first_at + spec.arrival_s, ids, params))
     steps: list[dict[str, Any]] = []
-    active: str | None = None
+    active: set[str] = set()
     next_at, count = args.first_at, 0
     started = time.perf_counter()
     with tqdm(total=round(args.duration), desc="seconds", unit="s") as bar:
         while (now := time.perf_counter() - started) < args.duration:
-            if active is None and now >= next_at:
-                active, count = f"i{count}", count + 1
+            if args.rate:
+                while arrivals and arrivals[0][0] <= now:
+                    _, ids, params = arrivals.pop(0)
+                    req_id, count = f"i{count}", count + 1
+                    active.add(req_id)
+                    core.add_request(
+                        EngineCoreRequest(
+                            req_id, ids, params, time.monotonic(), PRIORITY_INTERACTIVE
+                        )
+                    )
+            elif not active and now >= next_at:
+                req_id, count = f"i{count}", count + 1
+                active.add(req_id)
                 request = EngineCoreRequest(
-                    active, prompt, interactive, time.monotonic(), PRIORITY_INTERACTIVE
+                    req_id, prompt, interactive, time.monotonic(), PRIORITY_INTERACTIVE
                 )
                 core.add_request(request)
             began = time.perf_counter()
@@ -110,11 +137,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         len(o.new_token_ids) for o in out.outputs if o.req_id[0] == "i"
                     ),
                     "running_batch": sum(not r.is_interactive for r in scheduler.running),
-                    "interactive": active is not None,
+                    "running_interactive": len(active),
+                    "interactive": bool(active),
                 }
             )
-            if any(o.req_id == active and o.finished for o in out.outputs):
-                active, next_at = None, time.perf_counter() - started + args.gap
+            done = {o.req_id for o in out.outputs if o.finished and o.req_id in active}
+            if done:
+                active -= done
+                if not active:
+                    next_at = time.perf_counter() - started + args.gap
             bar.update(round(time.perf_counter() - started) - bar.n)
     return {"num_interactive": count, "steps": steps, "phases": phases(steps, args.warm_up)}
 
@@ -136,6 +167,9 @@ def phases(steps: list[dict[str, Any]], warm_up_s: float) -> dict[str, Any]:
             "batch_budget_median": statistics.median(s["batch_budget"] or 0 for s in chosen),
             "running_batch_median": statistics.median(s["running_batch"] for s in chosen),
             "batch_tokens_per_step_mean": statistics.mean(s["batch_tokens"] for s in chosen),
+            "running_interactive_mean": statistics.mean(
+                s.get("running_interactive", 0) for s in chosen
+            ),
         }
     return summary
 
@@ -172,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{p['batch_tokens_per_s']:.1f} tok/s, step median {p['step_s_median'] * 1e3:.0f} ms "
             f"(predicted {p['predicted_s_median'] * 1e3:.0f}), budget median "
             f"{p['batch_budget_median']}, batch running median {p['running_batch_median']}, "
-            f"batch tokens a step {p['batch_tokens_per_step_mean']:.1f}"
+            f"batch tokens a step {p['batch_tokens_per_step_mean']:.1f}, interactive "
+            f"requests in the engine, mean {p['running_interactive_mean']:.1f}"
         )
     print("\n".join(lines))
     limit = f"{args.batch_step_limit:.3f} s" if args.batch_step_limit else "none"

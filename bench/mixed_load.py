@@ -483,8 +483,10 @@ def run_config(
     elif key == "m":
         label = (
             f"(m) mixed, priority, TPOT target {1e3 * tpot_target_s:.0f} ms ({args.match}'s "
-            f"p50), batch steps <= {1e3 * BATCH_STEP_TTFT_SHARE * cal.ttft_target_s:.0f} ms"
+            f"p50), batch steps <= {1e3 * args.m_step_share * cal.ttft_target_s:.0f} ms"
         )
+        if args.m_harvest_margin is not None:
+            label += f", margin {args.m_harvest_margin}"
     else:
         label = LABELS[key]
     row = {
@@ -752,6 +754,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="config m: the peer configuration whose interactive TPOT p50 becomes "
         "tokenfleet's --tpot-target (run earlier in this run, or in --rerun's file)",
     )
+    add(
+        "--m-step-share",
+        type=float,
+        default=BATCH_STEP_TTFT_SHARE,
+        help="config m: --batch-step-limit as this share of the TTFT target (%(default)s)",
+    )
+    add(
+        "--m-harvest-margin",
+        type=float,
+        help="config m: --harvest-margin (default: the server's, 0.1)",
+    )
     add("--quick", action="store_true", help="short durations and probes (a smoke run)")
     add("--duration", type=float, help="seconds of interactive arrivals (300; quick 30)")
     add("--drain", type=float, help="seconds after --duration (60; quick 15)")
@@ -851,8 +864,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     policy, _, _, extra = OURS[key]
                     if key == "m":
-                        limit = BATCH_STEP_TTFT_SHARE * cal.ttft_target_s
+                        limit = args.m_step_share * cal.ttft_target_s
                         extra = [*extra, "--batch-step-limit", f"{limit:.4f}"]
+                        if args.m_harvest_margin is not None:
+                            extra += ["--harvest-margin", str(args.m_harvest_margin)]
                     targets = (cal.ttft_target_s, tpot_target_s)
                     context = tokenfleet_server(args, tmp, key, policy, targets, extra)
                 with context as server:
