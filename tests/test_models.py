@@ -205,3 +205,5 @@ def test_linear_backend_is_chosen_and_matches_transformers(tmp_path: Path, backe
 def test_linear_backend_is_checked() -> None:
     with pytest.raises(ValueError, match="linear_backend must be one of"):
         EngineConfig(linear_backend="mkl")
+    with pytest.raises(ValueError, match="float32 on the CPU only"):
+        EngineConfig(linear_backend="onednn", dtype="bfloat16")

@@ -17,13 +17,17 @@ from live_server import free_port
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    ("sig", "linear_backend"), [(signal.SIGTERM, "torch"), (signal.SIGINT, "onednn")]
+)
 def test_signal_to_the_process_group_stops_gateway_and_engine(
-    tmp_path: Path, model_folder: Path, sig: signal.Signals
+    tmp_path: Path, model_folder: Path, sig: signal.Signals, linear_backend: str
 ) -> None:
+    """(Each run also forces one --linear-backend, which the engine process logs.)"""
     port = free_port()
     argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
     argv += ["--model", str(model_folder), "--kv-cache-memory", str(32 << 20)]
+    argv += ["--linear-backend", linear_backend]
     log = (tmp_path / "serve.log").open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -42,6 +46,7 @@ def test_signal_to_the_process_group_stops_gateway_and_engine(
         time.sleep(0.5)
         with pytest.raises(ProcessLookupError):
             os.kill(engine_pid, 0)
+        assert f"linear layers: {linear_backend}" in (tmp_path / "serve.log").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

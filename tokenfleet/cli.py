@@ -60,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             num_threads=args.num_threads,
             max_model_len=args.max_model_len,
+            linear_backend=args.linear_backend,
             runner=args.runner,
             cache=cache,
             scheduler=scheduler,
@@ -185,6 +186,13 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--device", default="cpu", help="cpu or cuda (default %(default)s)")
     add("--dtype", default="float32", help="float32 or bfloat16 (default %(default)s)")
     add("--num-threads", type=int, default=num_threads, help="torch threads for the engine")
+    add(
+        "--linear-backend",
+        choices=("auto", "torch", "onednn"),
+        default="auto",
+        help="CPU float32 linear layers: torch's BLAS or oneDNN's packed weights; auto: "
+        "whichever a timing at start-up finds faster (default %(default)s)",
+    )
     add("--max-model-len", type=int, default=None, help="context length cap")
     add("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
     add("--kv-cache-memory", type=int, default=None, help="KV cache bytes (default: a fraction)")

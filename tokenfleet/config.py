@@ -161,6 +161,8 @@ class EngineConfig:
             raise ValueError(
                 f"linear_backend must be one of {_LINEAR_BACKENDS}, got {self.linear_backend!r}"
             )
+        if self.linear_backend == "onednn" and (self.device, self.dtype) != ("cpu", "float32"):
+            raise ValueError("linear_backend 'onednn' runs float32 on the CPU only")
         if self.runner not in ("model", "fixed"):
             raise ValueError(f"runner must be 'model' or 'fixed', got {self.runner!r}")
         if self.num_threads is not None and self.num_threads < 1:
