@@ -27,8 +27,9 @@ is cut into chunks instead of stalling them for a whole 512-token chunk. It neve
 below a floor (`min_tokens`), so a prompt always advances: where even a one-token chunk
 of it is predicted over the limit (a prompt late in a long context, on slow hardware),
 the floor decides between its TTFT and the streams' gap. Where the decodes alone are
-over the limit, prompts are not cut at all: no cut could meet it. Torch-free and pure: the engine
-and the simulator call it.
+over the target, the floor may add the margin's worth of time to their step
+(with_floor); only where the hardware cannot meet the target at all (target_reachable)
+are prompts not cut. Torch-free and pure: the engine and the simulator call it.
 """
 
 from __future__ import annotations
