@@ -167,9 +167,7 @@ def phases(steps: list[dict[str, Any]], warm_up_s: float) -> dict[str, Any]:
             "batch_budget_median": statistics.median(s["batch_budget"] or 0 for s in chosen),
             "running_batch_median": statistics.median(s["running_batch"] for s in chosen),
             "batch_tokens_per_step_mean": statistics.mean(s["batch_tokens"] for s in chosen),
-            "running_interactive_mean": statistics.mean(
-                s.get("running_interactive", 0) for s in chosen
-            ),
+            "running_interactive_mean": statistics.mean(s["running_interactive"] for s in chosen),
         }
     return summary
 

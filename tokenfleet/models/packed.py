@@ -5,7 +5,7 @@ inside PyTorch, multiplies by a weight reordered once into its own blocked layou
 faster depends on the CPU: on an AMD EPYC (Zen 4, one thread) the packed products took
 0.24 ms against 0.69 ms for a decoder layer's gate/up product on 3 rows, 2.6 against 3.7 ms
 on 64 rows and 19 against 26 ms on 512, and the 49,152-row vocabulary 12.8 against 26.5 ms
-(MKL in blocks) on 16 rows; so `choose` times both on the model's own weights at load. The
+(MKL in blocks) on 16 rows; so `faster` times both on the model's own weights at load. The
 sums are the same up to their order (float32 rounding, ~1e-6 apart).
 
 The op is PyTorch's own (`torch.ops.mkldnn._linear_pointwise`, what `torch.compile`'s CPU
@@ -86,13 +86,9 @@ def faster(weight: torch.Tensor, repeats: int = 3) -> bool:
     return packed_total < plain
 
 
-def pack_linears(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
-    """Replace every nn.Linear in `model` (but those in `skip`) with a PackedLinear; returns
-    how many were replaced."""
-    replaced = 0
+def pack_linears(model: nn.Module) -> None:
+    """Replace every nn.Linear in `model` with a PackedLinear."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not any(child is s for s in skip):
+            if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child))
-                replaced += 1
-    return replaced
