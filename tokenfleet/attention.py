@@ -26,10 +26,10 @@ from tokenfleet.kernels import paged_attention
 # Chunks of up to this many query tokens run in the C kernel. It reads a chunk's context
 # once for all its queries but works each query out alone, so it costs about one decode
 # per query token; SDPA gathers a copy of the context first and then works in matrix
-# products. Measured on this CPU (30 layers, 9 heads of 64, float32; one thread), kernel
-# against gather + SDPA: 2 queries at context 8,000 67 ms against 167, 8 queries 121
-# against 209, 16 queries 226 against 250, 32 queries 440 against 324 (context 512: even at
-# 16 queries, SDPA ahead from 32).
+# products. Measured (bench/attention_kernel.py: 30 layers, 9 heads of 64, one thread, AMD
+# EPYC), kernel against gather + SDPA at context 8,000, float32 KV: 2 queries 53 ms
+# against 248, 8 queries 112 against 246, 16 queries 215 against 314; at context 500, 16
+# queries 17 against 24. (The kernel before its fast path: 32 queries 440 ms against 324.)
 KERNEL_MAX_QUERY = 16
 
 

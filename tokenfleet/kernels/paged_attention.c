@@ -5,11 +5,19 @@
  * The torch path gathers every sequence's blocks into a padded copy before calling
  * scaled_dot_product_attention: at 64 decodes that copy costs more than the model's
  * matmuls, and a short chunk at the end of a long prompt copies the whole context for a
- * few queries. Here a tile of up to TILE query rows of one sequence and one KV head walks
- * the block table and reads each K/V row once for all of them (memory, not arithmetic,
- * bounds a long context), with an online softmax kept per block (one rescale per block,
- * not per token). Query row i of a sequence with n rows and context L (queries included)
- * sees keys [0, L - n + i], causally, or the last `window` of them.
+ * few queries. Here a tile of up to TILE query rows of one sequence walks the block table
+ * and reads each K/V row once for all of them, with an online softmax kept per block (one
+ * rescale per block, not per token). Query row i of a sequence with n rows and context L
+ * (queries included) sees keys [0, L - n + i], causally, or the last `window` of them.
+ *
+ * Blocks of 16 tokens with D % 64 == 0 on AVX-512 (the usual case) take the fast path
+ * (`fast` in paged_attention_impl.h): one pass per tile over all KV heads of a block (its
+ * rows are contiguous), blocks prefetched PREFETCH_BLOCKS ahead into L2, a 16-bit block
+ * converted once for every row that reads it, P.V for four query rows per V row loaded,
+ * vector exponentials. Against the per-head path it replaced (bench/attention_kernel.py,
+ * 30 layers of the bundled model, one thread, float16 KV at context 8,000): one query
+ * 55 -> 32 ms, 4 queries 104 -> 62 ms, 16 queries 379 -> 214 ms. Other shapes keep the
+ * per-head path below it.
  *
  * q: [T, H, D], the rows of sequence b at query_starts[b] .. + query_lens[b] - 1;
  * k_cache, v_cache: [num_blocks, BS, HKV, D] of float32 (paged_attention_f32), float16
@@ -28,6 +36,9 @@
 #endif
 
 #define TILE 8 /* query rows that share one pass over the context */
+/* Blocks read ahead: a sequence's blocks are scattered, so the hardware prefetcher cannot
+ * follow the table; one block ahead, or into L1, hid less of the latency (context 8,000). */
+#define PREFETCH_BLOCKS 4
 
 #if defined(__AVX512F__)
 /* Two vectors' lanes summed pairwise into one: a's partial sums in the low half, b's in
@@ -46,6 +57,24 @@ static inline __m512 fold_pairs(__m512 a, __m512 b) {
                          _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+/* e^x for x <= 0, as 16 lanes: 2^n * e^r with r = x - n ln 2 in [-ln2/2, ln2/2] and e^r by
+ * its Taylor series to r^7 (relative error under 1e-8 there); below -87 it gives ~0. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 #endif
 
 

@@ -96,6 +96,181 @@ static inline void NAME(weighted_sum)(float *acc, const float *p, const KV *v, i
     }
 }
 
+#if defined(__AVX512F__)
+/* Rows of one KV head's 16-key block as float32: the cache's own rows where it holds
+ * float32, else converted once into `buf` (16 x D) for every query row that reads them. */
+static inline const float *NAME(block_rows)(const KV *src, int64_t row, int64_t D, float *buf,
+                                            int64_t *stride) {
+    if (sizeof(KV) == sizeof(float)) {
+        *stride = row;
+        return (const float *)src;
+    }
+    for (int j = 0; j < 16; j++)
+        for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(buf + j * D + d, KV_LOAD16(src + j * row + d));
+    *stride = D;
+    return buf;
+}
+
+/* The kernel for blocks of 16 keys and D % 64 == 0 (AVX-512): one pass over a tile's
+ * context reads each block once, all KV heads in turn (the block's rows are contiguous,
+ * so each page is visited once), converts a 16-bit block once for all the query rows
+ * that read it, and accumulates P.V for up to four query rows at a time, so that a V row
+ * loaded once serves them all. Softmax exponentials are vectors (exp16). */
+static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
+                       const int64_t *block_tables, const int64_t *context_lens,
+                       const int64_t *query_starts, const int64_t *query_lens, float *out,
+                       int64_t B, int64_t H, int64_t HKV, int64_t D, int64_t max_blocks,
+                       int64_t max_tiles, float scale, int64_t window, int num_threads) {
+    const int64_t BS = 16, G = H / HKV;
+    const int64_t row = HKV * D;             /* stride between tokens inside a block */
+    const int64_t block_elems = BS * HKV * D; /* one block of K (or V), all heads */
+    const int64_t lines = block_elems * (int64_t)sizeof(KV) / 64;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t tile = 0; tile < max_tiles; tile++) {
+            const int64_t n = query_lens[b], first = tile * TILE;
+            if (first >= n) continue;
+            const int64_t nq = n - first < TILE ? n - first : TILE;
+            const int64_t ctx = context_lens[b];
+            const int64_t *table = block_tables + b * max_blocks;
+            const float *qt = q + (query_starts[b] + first) * H * D; /* row p = i * H + head */
+            int64_t lo[TILE], hi[TILE];
+            float acc[TILE * H * D] __attribute__((aligned(64)));
+            float m[TILE * H], l[TILE * H];
+            float probs[TILE * G * 16] __attribute__((aligned(64)));
+            float kbuf[16 * D] __attribute__((aligned(64))), vbuf[16 * D] __attribute__((aligned(64)));
+            for (int64_t i = 0; i < nq; i++) {
+                hi[i] = ctx - n + first + i + 1;
+                lo[i] = (window > 0 && hi[i] > window) ? hi[i] - window : 0;
+            }
+            for (int64_t p = 0; p < nq * H; p++) {
+                m[p] = -FLT_MAX;
+                l[p] = 0.0f;
+            }
+            memset(acc, 0, sizeof(float) * nq * H * D);
+            const __m512 vscale = _mm512_set1_ps(scale);
+            for (int64_t t0 = (lo[0] / BS) * BS; t0 < hi[nq - 1]; t0 += BS) {
+                const KV *kblock = k_cache + table[t0 / BS] * block_elems;
+                const KV *vblock = v_cache + table[t0 / BS] * block_elems;
+                const KV *knext = NULL, *vnext = NULL;
+                if (t0 + PREFETCH_BLOCKS * BS < hi[nq - 1]) {
+                    knext = k_cache + table[t0 / BS + PREFETCH_BLOCKS] * block_elems;
+                    vnext = v_cache + table[t0 / BS + PREFETCH_BLOCKS] * block_elems;
+                }
+                /* the keys any row of the tile sees in this block */
+                int64_t u0 = BS, u1 = 0;
+                for (int64_t i = 0; i < nq; i++) {
+                    const int64_t j0 = lo[i] > t0 ? lo[i] - t0 : 0;
+                    const int64_t j1 = hi[i] - t0 < BS ? hi[i] - t0 : BS;
+                    if (j0 < j1) {
+                        u0 = j0 < u0 ? j0 : u0;
+                        u1 = j1 > u1 ? j1 : u1;
+                    }
+                }
+                for (int64_t h = 0; h < HKV; h++) {
+                    if (knext) { /* the next block, a share per head, while this one computes */
+                        for (int64_t c = h * lines / HKV; c < (h + 1) * lines / HKV; c++) {
+                            __builtin_prefetch((const char *)knext + c * 64, 0, 1);
+                            __builtin_prefetch((const char *)vnext + c * 64, 0, 1);
+                        }
+                    }
+                    if (u0 >= u1) continue;
+                    int64_t ks, vs;
+                    const float *kr = NAME(block_rows)(kblock + h * D, row, D, kbuf, &ks);
+                    const float *vr = NAME(block_rows)(vblock + h * D, row, D, vbuf, &vs);
+                    /* scores and softmax of every (query, group head) row on this KV head */
+                    for (int64_t i = 0; i < nq; i++) {
+                        const int64_t j0 = lo[i] > t0 ? lo[i] - t0 : 0;
+                        const int64_t j1 = hi[i] - t0 < BS ? hi[i] - t0 : BS;
+                        for (int64_t g = 0; g < G; g++) {
+                            float *pr = probs + (i * G + g) * 16;
+                            if (j0 >= j1) {
+                                _mm512_store_ps(pr, _mm512_setzero_ps());
+                                continue;
+                            }
+                            const int64_t p = i * H + h * G + g;
+                            const __mmask16 valid =
+                                (__mmask16)(((1u << j1) - 1) & ~((1u << j0) - 1));
+                            const __m512 sc = _mm512_mul_ps(
+                                block_scores16_f32(qt + p * D, kr, ks, D), vscale);
+                            const float block_max = _mm512_mask_reduce_max_ps(valid, sc);
+                            if (block_max > m[p]) {
+                                const float correction = expf(m[p] - block_max);
+                                l[p] *= correction;
+                                const __m512 cv = _mm512_set1_ps(correction);
+                                float *ap = acc + p * D;
+                                for (int64_t d = 0; d < D; d += 16)
+                                    _mm512_store_ps(ap + d, _mm512_mul_ps(_mm512_load_ps(ap + d), cv));
+                                m[p] = block_max;
+                            }
+                            const __m512 e = _mm512_maskz_mov_ps(
+                                valid, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m[p]))));
+                            l[p] += _mm512_reduce_add_ps(e);
+                            _mm512_store_ps(pr, e);
+                        }
+                    }
+                    /* acc += P . V, four rows at a time over the keys some row sees */
+                    const int64_t rows = nq * G;
+                    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+                        const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
+                        float *ap[4];
+                        const float *pp[4];
+                        for (int64_t r = 0; r < 4; r++) {
+                            const int64_t rr = r0 + (r < nr ? r : 0);
+                            const int64_t i = rr / G, g = rr % G;
+                            ap[r] = acc + (i * H + h * G + g) * D;
+                            pp[r] = probs + rr * 16;
+                        }
+                        for (int64_t d = 0; d < D; d += 64) {
+                            __m512 a[4][4];
+                            for (int r = 0; r < 4; r++)
+                                for (int c = 0; c < 4; c++) a[r][c] = _mm512_load_ps(ap[r] + d + 16 * c);
+                            if (nr == 4) {
+                                for (int64_t j = u0; j < u1; j++) {
+                                    const float *vj = vr + j * vs + d;
+                                    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+                                    const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+                                    for (int r = 0; r < 4; r++) {
+                                        const __m512 pj = _mm512_set1_ps(pp[r][j]);
+                                        a[r][0] = _mm512_fmadd_ps(pj, v0, a[r][0]);
+                                        a[r][1] = _mm512_fmadd_ps(pj, v1, a[r][1]);
+                                        a[r][2] = _mm512_fmadd_ps(pj, v2, a[r][2]);
+                                        a[r][3] = _mm512_fmadd_ps(pj, v3, a[r][3]);
+                                    }
+                                }
+                            } else {
+                                for (int64_t j = u0; j < u1; j++) {
+                                    const float *vj = vr + j * vs + d;
+                                    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+                                    const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+                                    for (int r = 0; r < nr; r++) {
+                                        const __m512 pj = _mm512_set1_ps(pp[r][j]);
+                                        a[r][0] = _mm512_fmadd_ps(pj, v0, a[r][0]);
+                                        a[r][1] = _mm512_fmadd_ps(pj, v1, a[r][1]);
+                                        a[r][2] = _mm512_fmadd_ps(pj, v2, a[r][2]);
+                                        a[r][3] = _mm512_fmadd_ps(pj, v3, a[r][3]);
+                                    }
+                                }
+                            }
+                            for (int r = 0; r < nr; r++)
+                                for (int c = 0; c < 4; c++) _mm512_store_ps(ap[r] + d + 16 * c, a[r][c]);
+                        }
+                    }
+                }
+            }
+            for (int64_t i = 0; i < nq; i++) {
+                for (int64_t hh = 0; hh < H; hh++) {
+                    const int64_t p = i * H + hh;
+                    float *o = out + ((query_starts[b] + first + i) * H + hh) * D;
+                    const float inv = 1.0f / l[p];
+                    for (int64_t d = 0; d < D; d++) o[d] = acc[p * D + d] * inv;
+                }
+            }
+        }
+    }
+}
+#endif
+
 void KERNEL(const float *q, const KV *k_cache, const KV *v_cache,
                          const int64_t *block_tables, const int64_t *context_lens,
                          const int64_t *query_starts, const int64_t *query_lens, float *out,
@@ -108,6 +283,13 @@ void KERNEL(const float *q, const KV *k_cache, const KV *v_cache,
         const int64_t tiles = (query_lens[b] + TILE - 1) / TILE;
         max_tiles = tiles > max_tiles ? tiles : max_tiles;
     }
+#if defined(__AVX512F__)
+    if (BS == 16 && D % 64 == 0) {
+        NAME(fast)(q, k_cache, v_cache, block_tables, context_lens, query_starts, query_lens, out,
+                   B, H, HKV, D, max_blocks, max_tiles, scale, window, num_threads);
+        return;
+    }
+#endif
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t tile = 0; tile < max_tiles; tile++) {
