@@ -12,7 +12,8 @@ it was prefilled (sent to first token), their gap p50/p99 over that window, and 
 prompt's TTFT. Configurations: `priority` (tokenfleet's default: prompt chunks cut so the
 predicted step stays within the TPOT target less the margin, at least --min-prefill-chunk
 tokens), `fcfs` (priorities off: whole 512-token chunks, as vLLM's default scheduler
-does), and `priority` at other floors given with --floors.
+does), and `priority` at other floors (--floors), KV dtypes (--kv-dtypes) and harvest
+margins (--margins).
 
     .venv/bin/python bench/long_prompt.py            # about 10 minutes
     .venv/bin/python bench/long_prompt.py --configs fcfs --max-model-len 2048   # quick
@@ -55,6 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--configs", default="priority,fcfs", help="priority, fcfs, or both")
     add("--floors", default="", help="more priority runs at these --min-prefill-chunk values")
     add("--kv-dtypes", default="", help="more priority runs at these --kv-cache-dtype values")
+    add(
+        "--margins",
+        default="",
+        help="more priority runs at these --harvest-margin values (with the model's KV dtype "
+        "and each of --kv-dtypes)",
+    )
     add("--streams", type=int, default=3)
     add(
         "--stream-tokens",
@@ -76,8 +83,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         runs.append((config, config, []))
     for floor in filter(None, args.floors.split(",")):
         runs.append((f"priority, floor {floor}", "priority", ["--min-prefill-chunk", floor]))
-    for dtype in filter(None, args.kv_dtypes.split(",")):
+    dtypes = list(filter(None, args.kv_dtypes.split(",")))
+    for dtype in dtypes:
         runs.append((f"priority, {dtype} KV", "priority", ["--kv-cache-dtype", dtype]))
+    for margin in filter(None, args.margins.split(",")):
+        for dtype in ["", *dtypes]:
+            name = (
+                f"priority, {dtype} KV, margin {margin}" if dtype else f"priority, margin {margin}"
+            )
+            extra = ["--kv-cache-dtype", dtype] if dtype else []
+            runs.append((name, "priority", [*extra, "--harvest-margin", margin]))
     args.runs = runs
     return args
 

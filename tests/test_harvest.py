@@ -296,18 +296,22 @@ def test_prompts_are_capped_only_while_streams_decode_beside_them() -> None:
     assert _prefill_budget([decoding], waiting()) == 444
     # Within the step's token budget (512, less the decode).
     assert _prefill_budget([decoding, _req("p0", 1000)]) == 511
-    # Not even one prompt token fits beside the decodes: the floor, so it still advances.
-    late = _req("late", 40_000, 39_000)
-    assert _prefill_budget([decoding, late]) == 16
-    assert _prefill_budget([decoding, late], min_tokens=3) == 3
-    # The floor may use up the margin but not break the TPOT target itself: at context
-    # 50,000, 7 tokens keep the step within 4 * 2^20 ticks and 8 do not; at 60,000 not even
-    # one does, and the prompt still gets one token a step.
-    deeper, deepest = _req("deeper", 60_000, 50_000), _req("deepest", 70_000, 60_000)
-    assert _prefill_budget([decoding, deeper]) == 7
+    # Fewer tokens than the floor (16) fit within the limit: what fits, not the floor.
+    # The margin is kept for the model's errors while the decodes alone are within the
+    # limit: from 35,000 (n B + (35,000 + n) D + n (35,000 + n) E beside the decode), 7
+    # tokens keep the step within LIMIT and 8 do not, though 16 would keep it within TARGET.
+    mid_late = _req("mid_late", 36_000, 35_000)
+    assert _prefill_budget([decoding, mid_late]) == 7
+    assert _prefill_budget([decoding, mid_late], min_tokens=3) == 7  # more than the floor
     beside = StepFeatures.of_chunk(1, 40)
-    seven, eight = (beside + StepFeatures.of_chunk(n, 50_000) for n in (7, 8))
-    assert MODEL.predict(seven) <= TARGET < MODEL.predict(eight)
+    seven, eight, sixteen = (beside + StepFeatures.of_chunk(n, 35_000) for n in (7, 8, 16))
+    assert MODEL.predict(seven) <= LIMIT * TICK < MODEL.predict(eight)
+    assert MODEL.predict(sixteen) <= TARGET
+    # Not even one prompt token fits beside the decodes: one a step, so it still advances.
+    late = _req("late", 40_000, 39_000)
+    assert _prefill_budget([decoding, late]) == 1
+    assert _prefill_budget([decoding, late], min_tokens=3) == 1
+    deepest = _req("deepest", 70_000, 60_000)
     assert _prefill_budget([decoding, deepest]) == 1
     # Streams that alone break the limit but not the target: the floor.
     many = [_req(f"d{n}", 41, 40) for n in range(40)]

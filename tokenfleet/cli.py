@@ -165,9 +165,10 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--min-prefill-chunk",
         type=int,
         default=16,
-        help="prompt tokens a step at least beside running streams, so that a prompt keeps "
-        "moving: beyond the harvest limit, but never beyond the TPOT target itself (then "
-        "fewer, at least 1) (default %(default)s)",
+        help="prompt tokens a step at least beside running streams whose decodes alone are "
+        "over the harvest limit, so that a prompt keeps moving: never beyond the TPOT target "
+        "itself (then fewer, at least 1); within the limit a prompt gets what fits, at least "
+        "1 (default %(default)s)",
     )
     add(
         "--batch-step-limit",

@@ -109,9 +109,10 @@ class EngineConfig:
     The harvest budget (harvest.py): while interactive streams run, batch tokens join a
     step only while its predicted time stays within `tpot_target_s` * (1 -
     `harvest_margin`); the default target is the reference GPU's. The same limit cuts
-    interactive prompts into chunks while interactive streams decode, down to
+    interactive prompts into chunks while interactive streams decode (at least one token a
+    step); where the streams' decodes alone are over the limit, a prompt still gets
     `min_prefill_chunk` tokens a step, or fewer (at least one) where that many would break
-    the TPOT target itself (harvest.prefill_budget). With no interactive work in a step,
+    the TPOT target itself (harvest.with_floor). With no interactive work in a step,
     batch fills it, within `batch_step_limit_s` where set: an interactive arrival waits for
     the step in progress (None: no limit, throughput first).
     """
