@@ -12,12 +12,12 @@
  *
  * Blocks of 16 tokens with D % 64 == 0 on AVX-512 (the usual case) take the fast path
  * (`fast` in paged_attention_impl.h): one pass per tile over all KV heads of a block (its
- * rows are contiguous), blocks prefetched PREFETCH_BLOCKS ahead into L2, a 16-bit block
- * converted once for every row that reads it, P.V for four query rows per V row loaded,
- * vector exponentials. Against the per-head path it replaced (bench/attention_kernel.py,
- * 30 layers of the bundled model, one thread, float16 KV at context 8,000): one query
- * 55 -> 32 ms, 4 queries 104 -> 62 ms, 16 queries 379 -> 214 ms. Other shapes keep the
- * per-head path below it.
+ * rows are contiguous), blocks prefetched PREFETCH_BLOCKS ahead into L2 a few lines per
+ * key, a 16-bit block converted once for every row that reads it, P.V for four query rows
+ * per V row loaded, vector exponentials. Against the per-head path it replaced
+ * (bench/attention_kernel.py, 30 layers of the bundled model, one thread, float16 KV at
+ * context 8,000): one query 55 -> 22 ms, 4 queries 104 -> 48 ms, 16 queries 379 -> 181
+ * ms. Other shapes keep the per-head path below it.
  *
  * q: [T, H, D], the rows of sequence b at query_starts[b] .. + query_lens[b] - 1;
  * k_cache, v_cache: [num_blocks, BS, HKV, D] of float32 (paged_attention_f32), float16
@@ -37,7 +37,8 @@
 
 #define TILE 8 /* query rows that share one pass over the context */
 /* Blocks read ahead: a sequence's blocks are scattered, so the hardware prefetcher cannot
- * follow the table; one block ahead, or into L1, hid less of the latency (context 8,000). */
+ * follow the table; one block ahead, into L1, or all of a block's lines in one burst hid
+ * less of the latency (context 8,000). */
 #define PREFETCH_BLOCKS 4
 
 #if defined(__AVX512F__)

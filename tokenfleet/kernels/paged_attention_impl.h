@@ -168,12 +168,10 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
                     }
                 }
                 for (int64_t h = 0; h < HKV; h++) {
-                    if (knext) { /* the next block, a share per head, while this one computes */
-                        for (int64_t c = h * lines / HKV; c < (h + 1) * lines / HKV; c++) {
-                            __builtin_prefetch((const char *)knext + c * 64, 0, 1);
-                            __builtin_prefetch((const char *)vnext + c * 64, 0, 1);
-                        }
-                    }
+                    /* this head's share of a block ahead, a few lines per key below: in one
+                     * burst the prefetches would wait for each other */
+                    const int64_t pf0 = h * lines / HKV, pf1 = (h + 1) * lines / HKV;
+                    const int64_t pf_per_key = (pf1 - pf0 + BS - 1) / BS;
                     if (u0 >= u1) continue;
                     int64_t ks, vs;
                     const float *kr = NAME(block_rows)(kblock + h * D, row, D, kbuf, &ks);
@@ -227,6 +225,13 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
                                 for (int c = 0; c < 4; c++) a[r][c] = _mm512_load_ps(ap[r] + d + 16 * c);
                             if (nr == 4) {
                                 for (int64_t j = u0; j < u1; j++) {
+                                    if (knext && r0 == 0 && d == 0) {
+                                        for (int64_t c = pf0 + j * pf_per_key;
+                                             c < pf0 + (j + 1) * pf_per_key && c < pf1; c++) {
+                                            __builtin_prefetch((const char *)knext + c * 64, 0, 1);
+                                            __builtin_prefetch((const char *)vnext + c * 64, 0, 1);
+                                        }
+                                    }
                                     const float *vj = vr + j * vs + d;
                                     const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
                                     const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
@@ -240,6 +245,13 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
                                 }
                             } else {
                                 for (int64_t j = u0; j < u1; j++) {
+                                    if (knext && r0 == 0 && d == 0) {
+                                        for (int64_t c = pf0 + j * pf_per_key;
+                                             c < pf0 + (j + 1) * pf_per_key && c < pf1; c++) {
+                                            __builtin_prefetch((const char *)knext + c * 64, 0, 1);
+                                            __builtin_prefetch((const char *)vnext + c * 64, 0, 1);
+                                        }
+                                    }
                                     const float *vj = vr + j * vs + d;
                                     const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
                                     const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
