@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from offline_throughput import run_and_write
 
 from tokenfleet.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedAttention
 from tokenfleet.kernels import paged_attention_lib
+from tokenfleet.models.packed import best_time
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -63,14 +63,7 @@ def streaming_rate(repeats: int = 3) -> float:
     """Bytes per second one thread reads, summing a 512 MB tensor (the best of `repeats`)."""
     x = torch.ones(128 << 20)
     x.sum()
-    best = min(_timed(x.sum) for _ in range(repeats))
-    return x.numel() * x.element_size() / best
-
-
-def _timed(fn: Any) -> float:
-    began = time.perf_counter()
-    fn()
-    return time.perf_counter() - began
+    return x.numel() * x.element_size() / best_time(x.sum, repeats)
 
 
 def measure(args: argparse.Namespace, kv_dtype: str, context: int, queries: int) -> dict[str, Any]:
@@ -105,7 +98,7 @@ def measure(args: argparse.Namespace, kv_dtype: str, context: int, queries: int)
         times: dict[str, list[float]] = {way: [] for way in ways}
         for _ in range(args.repeats):
             for way, attn in ways.items():
-                times[way].append(_timed(lambda attn=attn: step(attn)))
+                times[way].append(best_time(lambda attn=attn: step(attn), 1))
     kv_bytes = args.layers * 2 * context * hkv * d * caches[0].element_size()
     return {
         "kv_dtype": kv_dtype,

@@ -76,6 +76,34 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* a[r] (64 floats of an output row, as 4 vectors) += p_r[j] * v_j over keys [u0, u1), for
+ * `nr` <= 4 rows sharing each V row loaded (rows `vs` floats apart, columns from d). With
+ * `kpf` set, lines [c0, c1) of the blocks ahead at kpf and vpf are prefetched, `per_key`
+ * lines a key. */
+static inline __attribute__((always_inline)) void pv_keys(
+    __m512 a[4][4], const float *const pp[4], const int nr, const float *vr, int64_t vs,
+    int64_t d, int64_t u0, int64_t u1, const char *kpf, const char *vpf, int64_t c0,
+    int64_t c1, int64_t per_key) {
+    for (int64_t j = u0; j < u1; j++) {
+        if (kpf) {
+            for (int64_t c = c0 + j * per_key; c < c0 + (j + 1) * per_key && c < c1; c++) {
+                __builtin_prefetch(kpf + c * 64, 0, 1);
+                __builtin_prefetch(vpf + c * 64, 0, 1);
+            }
+        }
+        const float *vj = vr + j * vs + d;
+        const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
+        const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
+        for (int r = 0; r < nr; r++) {
+            const __m512 pj = _mm512_set1_ps(pp[r][j]);
+            a[r][0] = _mm512_fmadd_ps(pj, v0, a[r][0]);
+            a[r][1] = _mm512_fmadd_ps(pj, v1, a[r][1]);
+            a[r][2] = _mm512_fmadd_ps(pj, v2, a[r][2]);
+            a[r][3] = _mm512_fmadd_ps(pj, v3, a[r][3]);
+        }
+    }
+}
 #endif
 
 

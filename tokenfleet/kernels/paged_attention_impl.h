@@ -223,47 +223,14 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
                             __m512 a[4][4];
                             for (int r = 0; r < 4; r++)
                                 for (int c = 0; c < 4; c++) a[r][c] = _mm512_load_ps(ap[r] + d + 16 * c);
-                            if (nr == 4) {
-                                for (int64_t j = u0; j < u1; j++) {
-                                    if (knext && r0 == 0 && d == 0) {
-                                        for (int64_t c = pf0 + j * pf_per_key;
-                                             c < pf0 + (j + 1) * pf_per_key && c < pf1; c++) {
-                                            __builtin_prefetch((const char *)knext + c * 64, 0, 1);
-                                            __builtin_prefetch((const char *)vnext + c * 64, 0, 1);
-                                        }
-                                    }
-                                    const float *vj = vr + j * vs + d;
-                                    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
-                                    const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
-                                    for (int r = 0; r < 4; r++) {
-                                        const __m512 pj = _mm512_set1_ps(pp[r][j]);
-                                        a[r][0] = _mm512_fmadd_ps(pj, v0, a[r][0]);
-                                        a[r][1] = _mm512_fmadd_ps(pj, v1, a[r][1]);
-                                        a[r][2] = _mm512_fmadd_ps(pj, v2, a[r][2]);
-                                        a[r][3] = _mm512_fmadd_ps(pj, v3, a[r][3]);
-                                    }
-                                }
-                            } else {
-                                for (int64_t j = u0; j < u1; j++) {
-                                    if (knext && r0 == 0 && d == 0) {
-                                        for (int64_t c = pf0 + j * pf_per_key;
-                                             c < pf0 + (j + 1) * pf_per_key && c < pf1; c++) {
-                                            __builtin_prefetch((const char *)knext + c * 64, 0, 1);
-                                            __builtin_prefetch((const char *)vnext + c * 64, 0, 1);
-                                        }
-                                    }
-                                    const float *vj = vr + j * vs + d;
-                                    const __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16);
-                                    const __m512 v2 = _mm512_loadu_ps(vj + 32), v3 = _mm512_loadu_ps(vj + 48);
-                                    for (int r = 0; r < nr; r++) {
-                                        const __m512 pj = _mm512_set1_ps(pp[r][j]);
-                                        a[r][0] = _mm512_fmadd_ps(pj, v0, a[r][0]);
-                                        a[r][1] = _mm512_fmadd_ps(pj, v1, a[r][1]);
-                                        a[r][2] = _mm512_fmadd_ps(pj, v2, a[r][2]);
-                                        a[r][3] = _mm512_fmadd_ps(pj, v3, a[r][3]);
-                                    }
-                                }
-                            }
+                            /* the next blocks' prefetches ride on the first pass over the keys */
+                            const int prefetch = knext != NULL && r0 == 0 && d == 0;
+                            const char *kpf = prefetch ? (const char *)knext : NULL;
+                            const char *vpf = (const char *)vnext;
+                            if (nr == 4) /* the common count as a constant: fully unrolled */
+                                pv_keys(a, pp, 4, vr, vs, d, u0, u1, kpf, vpf, pf0, pf1, pf_per_key);
+                            else
+                                pv_keys(a, pp, (int)nr, vr, vs, d, u0, u1, kpf, vpf, pf0, pf1, pf_per_key);
                             for (int r = 0; r < nr; r++)
                                 for (int c = 0; c < 4; c++) _mm512_store_ps(ap[r] + d + 16 * c, a[r][c]);
                         }
