@@ -9,7 +9,7 @@ import torch
 from reference import assert_matches_transformers
 
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.sampler import sample
+from tokenfleet.sampler import CDF_BLOCK, _inverse_cdf, sample
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,48 @@ def test_sampler_truncation_keeps_exactly_the_top_k_and_the_nucleus() -> None:
         seen_p |= set(sample(logits, [SamplingParams(top_p=0.7)] * 8, gens))  # type: ignore[arg-type]
     assert seen_k == {0, 1}
     assert seen_p == {0, 1}
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 7, CDF_BLOCK])
+def test_inverse_cdf_picks_the_first_token_whose_running_sum_passes_the_draw(vocab: int) -> None:
+    """The two-level search gives what one float64 search of the whole running sum gives,
+    for vocabularies a whole number of blocks long and not, and never a token of zero
+    probability: not at a draw of 0, nor at the largest draw below 1."""
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=gen) ** 8
+    probs[:, ::3] = 0.0  # zero-probability tokens, the first one among them
+    probs[1:, -1] = 0.0  # the last token too, where rounding would land a draw near 1
+    probs[0, :] = 0.0
+    probs[0, vocab // 2] = 1.0  # a single token with mass
+    probs /= probs.sum(dim=-1, keepdim=True)
+    draws = torch.rand(64, generator=gen, dtype=torch.float64)
+    draws[2], draws[3] = 0.0, 1.0 - 2.0**-53
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
+    expected = expected.clamp(max=vocab - 1)
+    got = _inverse_cdf(probs, draws)
+    assert got[0] == vocab // 2
+    assert bool((probs[torch.arange(64), got] > 0).all())
+    same = got == expected
+    # Where the two sums round differently, only a draw within rounding of a boundary may
+    # differ, and it then takes a neighbour with mass.
+    assert int(same.sum()) >= 62, (got[~same], expected[~same])
+
+
+def test_sampling_draws_one_uniform_per_row_from_its_generator() -> None:
+    """A row's token depends only on its own generator's state, whatever rows are beside
+    it, greedy or not."""
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(0))
+    hot = SamplingParams(temperature=1.3)
+    greedy = SamplingParams(temperature=0)
+    alone = sample(logits[1:2], [hot], [torch.Generator().manual_seed(7)])
+    mixed = sample(logits, [greedy, hot, greedy], [None, torch.Generator().manual_seed(7), None])
+    assert mixed[1] == alone[0]
+    assert mixed[0] == int(logits[0].argmax()) and mixed[2] == int(logits[2].argmax())
+    gen = torch.Generator().manual_seed(7)
+    u = float(torch.rand(1, generator=gen, dtype=torch.float64))
+    cdf = (logits[1] / 1.3).softmax(dim=-1).double().cumsum(dim=-1)
+    assert alone[0] == int(torch.searchsorted(cdf, u * cdf[-1], right=True))
 
 
 def test_sampler_follows_the_distribution_and_temperature() -> None:
