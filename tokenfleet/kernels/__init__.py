@@ -1,7 +1,9 @@
 """Native CPU kernels, compiled on first use with the system C compiler.
 
 Plain C called through ctypes: it builds in about a second, needs no torch headers, and
-when no compiler is found the engine falls back to the torch attention path.
+when no compiler is found the engine falls back to torch's attention and element-wise
+operations. paged_attention.c: attention over the paged KV cache; elementwise.c: the
+decoder layer's residual add with its RMS norm, and the rotary embedding.
 """
 
 from __future__ import annotations
@@ -41,22 +43,22 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, source: Path, flags: list[str], includes: tuple[Path, ...] = ()) -> Path:
     digest = hashlib.sha256(
-        _SOURCE.read_bytes()
-        + _HEADER.read_bytes()
-        + " ".join(_FLAGS).encode()
+        source.read_bytes()
+        + b"".join(path.read_bytes() for path in includes)
+        + " ".join(flags).encode()
         + _cpu_signature().encode()
     ).hexdigest()[:16]
     out_dir = envs.cache_dir() / "kernels"
-    target = out_dir / f"paged_attention-{digest}.so"
+    target = out_dir / f"{source.stem}-{digest}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"],
+            [compiler, *flags, str(source), "-o", str(built), "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -64,6 +66,20 @@ def _build(compiler: str) -> Path:
         os.replace(built, target)  # atomic: concurrent builders both end with a whole file
     logger.info("built %s", target)
     return target
+
+
+def _load(source: Path, flags: list[str], includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """The library built from `source`, or None (logged) when it cannot be built here."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        logger.warning("no C compiler found: %s's kernels fall back to torch", source.name)
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler, source, flags, includes)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        logger.warning("%s unavailable (%s): using torch", source.name, detail.strip())
+        return None
 
 
 # The kernel for each KV cache element type (queries are float32 in all).
@@ -77,15 +93,8 @@ _KERNELS = {
 @cache
 def paged_attention_lib() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (logged) when it cannot be built here."""
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None:
-        logger.warning("no C compiler found: using the torch attention path")
-        return None
-    try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        logger.warning("paged attention kernel unavailable (%s): using torch", detail.strip())
+    lib = _load(_SOURCE, _FLAGS, (_HEADER,))
+    if lib is None:
         return None
     for fn in _KERNELS.values():
         fn = getattr(lib, fn)
@@ -145,3 +154,65 @@ def paged_attention(
         torch.get_num_threads(),
     )
     return out
+
+
+_ELEMENTWISE = Path(__file__).with_name("elementwise.c")
+# No -ffast-math, no contraction into fused multiply-adds: torch's rounding, op by op.
+_ELEMENTWISE_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
+
+
+@cache
+def elementwise_lib() -> ctypes.CDLL | None:
+    """The decoder layer's fused element-wise kernels (kernels/elementwise.c), or None."""
+    lib = _load(_ELEMENTWISE, _ELEMENTWISE_FLAGS)
+    if lib is None:
+        return None
+    lib.add_rms_norm_f32.restype = None
+    lib.add_rms_norm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]
+    lib.rope_f32.restype = None
+    lib.rope_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4
+    return lib
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [T, hidden] float32, contiguous: the residual stream, added to in place
+    residual: torch.Tensor | None,  # [T, hidden] float32, contiguous, or None: no add
+    weight: torch.Tensor,  # [hidden] float32
+    eps: float,
+) -> torch.Tensor:
+    """x += residual (where given), then the RMS norm of x times weight, as a new tensor."""
+    lib = elementwise_lib()
+    assert lib is not None, "call only when elementwise_lib() is available"
+    assert x.dtype == weight.dtype == torch.float32 and x.is_contiguous()
+    rows, hidden = x.shape
+    if residual is not None:
+        assert residual.dtype == torch.float32 and residual.is_contiguous()
+        assert residual.shape == x.shape
+    out = torch.empty_like(x)
+    lib.add_rms_norm_f32(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.contiguous().data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+    )
+    return out
+
+
+def rope_(
+    x: torch.Tensor,  # [T, width] float32, rows contiguous: the heads to rotate come first
+    cos: torch.Tensor,  # [T, head_dim] float32, by each row's position
+    sin: torch.Tensor,
+    heads: int,
+    head_dim: int,
+) -> None:
+    """Rotate the first `heads` heads of each row in place: x * cos + rotate_half(x) * sin."""
+    lib = elementwise_lib()
+    assert lib is not None, "call only when elementwise_lib() is available"
+    rows, width = x.shape
+    assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(1) == 1
+    assert heads * head_dim <= width and head_dim % 2 == 0 and head_dim <= 1024
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (rows, head_dim)
+    lib.rope_f32(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, x.stride(0), heads, head_dim)

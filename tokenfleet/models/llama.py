@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfleet import kernels
 from tokenfleet.attention import AttentionMetadata, PagedAttention
 from tokenfleet.models import packed
 from tokenfleet.models.config import ModelConfig
@@ -29,6 +30,17 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + residual (x alone where residual is None) and its norm: (normed, sum). With
+        `fused`, one pass of the C kernel, the sum written over x."""
+        if fused:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), x
+        if residual is not None:
+            x = x + residual
+        return self.forward(x), x
+
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, use_kernel: bool) -> None:
@@ -44,6 +56,7 @@ class Attention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window, use_kernel
         )
+        self.fused = False  # the C element-wise kernels (LlamaForCausalLM.use_fused)
 
     def forward(
         self,
@@ -53,10 +66,15 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
         n = x.shape[0]
-        q = apply_rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        if self.fused:  # q's and k's heads, side by side in each row, rotated in place
+            kernels.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        if not self.fused:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out)
@@ -75,7 +93,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -85,17 +103,24 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, use_kernel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.fused = False  # the C element-wise kernels (LlamaForCausalLM.use_fused)
 
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on (x, residual): the residual stream is residual + x (x alone in the
+        first layer), and the sum is made where the norm reads it. Returns the MLP's output
+        and the stream before it, for the next layer to add."""
+        h, residual = self.input_layernorm.add_forward(x, residual, self.fused)
+        x = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual, self.fused)
+        return self.mlp(h), residual
 
 
 # Rows of the vocabulary's weight a CPU float32 logits product takes at a time.
@@ -136,10 +161,12 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_idx: torch.Tensor,  # rows whose next-token logits are wanted
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.vocab_logits(self.norm(x[logits_idx])).float()
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        assert residual is not None
+        # The last layer's sum is wanted only in the rows whose logits are.
+        return self.vocab_logits(self.norm(residual[logits_idx] + x[logits_idx])).float()
 
     def vocab_logits(self, h: torch.Tensor) -> torch.Tensor:
         """h @ lm_head.weight.T. On CPU in float32 the one [V, H] product through the BLAS
@@ -156,6 +183,21 @@ class LlamaForCausalLM(nn.Module):
         if self._vocab_packed is not None:
             return packed.packed_linear(h, self._vocab_packed, None)
         return vocab_blocks(h, self.lm_head.weight)
+
+    def use_fused(self, wanted: bool = True) -> bool:
+        """Run the layers' norms and rotary embeddings through the C element-wise kernels
+        (kernels/elementwise.c) where they apply: CPU, float32, a compiler at hand."""
+        weight = self.embed_tokens.weight
+        fused = (
+            wanted
+            and weight.device.type == "cpu"
+            and weight.dtype == torch.float32
+            and self.config.head_dim <= 1024
+            and kernels.elementwise_lib() is not None
+        )
+        for layer in self.layers:
+            layer.fused = layer.self_attn.fused = fused
+        return fused
 
     def tune_products(self, linear_backend: str = "auto", repeats: int = 3) -> None:
         """Choose how the CPU float32 products run, timed here, once, since which way is

@@ -97,4 +97,5 @@ def load_model(
     model.eval()
     model.tune_products(linear_backend)
     logger.info("linear layers: %s", model.linear_backend)
+    model.use_fused(use_kernel)
     return model
