@@ -184,6 +184,7 @@ def add_rms_norm(
     lib = elementwise_lib()
     assert lib is not None, "call only when elementwise_lib() is available"
     assert x.dtype == weight.dtype == torch.float32 and x.is_contiguous()
+    assert weight.is_contiguous() and weight.shape == (x.shape[1],)
     rows, hidden = x.shape
     if residual is not None:
         assert residual.dtype == torch.float32 and residual.is_contiguous()
@@ -192,7 +193,7 @@ def add_rms_norm(
     lib.add_rms_norm_f32(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
-        weight.contiguous().data_ptr(),
+        weight.data_ptr(),
         out.data_ptr(),
         rows,
         hidden,

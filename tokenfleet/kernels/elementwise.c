@@ -33,7 +33,7 @@ void add_rms_norm_f32(float *x, const float *residual, const float *weight, floa
         for (; i < hidden; i++) squares += (double)xr[i] * (double)xr[i];
         float mean = (float)(squares / (double)hidden);
         float inv = 1.0f / sqrtf(mean + eps);
-        for (int64_t i = 0; i < hidden; i++) {
+        for (i = 0; i < hidden; i++) {
             float normed = xr[i] * inv;
             o[i] = weight[i] * normed;
         }
