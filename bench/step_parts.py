@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matmul_rows import timed
 from offline_throughput import run_and_write
 
 from tokenfleet import envs, kernels
@@ -59,16 +60,6 @@ def exponential_race(logits: torch.Tensor, generators: list[torch.Generator]) ->
     return tokens
 
 
-def median_time(f: Any, repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def sampling(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     rows = []
     for m in SAMPLE_ROWS:
@@ -77,9 +68,9 @@ def sampling(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
         hot = [SamplingParams(temperature=1.0)] * m
         row = {
             "rows": m,
-            "inverse_cdf_s": median_time(lambda: sample(logits, hot, gens), args.repeats),  # noqa: B023
-            "exponential_race_s": median_time(lambda: exponential_race(logits, gens), args.repeats),  # noqa: B023
-            "greedy_s": median_time(lambda: logits.argmax(dim=-1).tolist(), args.repeats),  # noqa: B023
+            "inverse_cdf_s": timed(lambda: sample(logits, hot, gens), args.repeats),  # noqa: B023
+            "exponential_race_s": timed(lambda: exponential_race(logits, gens), args.repeats),  # noqa: B023
+            "greedy_s": timed(lambda: logits.argmax(dim=-1).tolist(), args.repeats),  # noqa: B023
         }
         rows.append(row)
         print(
@@ -114,13 +105,13 @@ def elementwise(
 
         row = {
             "rows": m,
-            "add_norm_torch_s": median_time(torch_norm, args.repeats * 5),
-            "add_norm_kernel_s": median_time(
+            "add_norm_torch_s": timed(torch_norm, args.repeats * 5),
+            "add_norm_kernel_s": timed(
                 lambda: kernels.add_rms_norm(x, residual, weight, eps),  # noqa: B023 (x grows: harmless)
                 args.repeats * 5,
             ),
-            "rope_torch_s": median_time(torch_rope, args.repeats * 5),
-            "rope_kernel_s": median_time(
+            "rope_torch_s": timed(torch_rope, args.repeats * 5),
+            "rope_kernel_s": timed(
                 lambda: kernels.rope_(qkv, cos, sin, heads + kv_heads, head_dim),  # noqa: B023
                 args.repeats * 5,
             ),
@@ -196,47 +187,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _panel(
+    ax: Any, rows: list[dict[str, Any]], series: tuple[tuple[str, str], ...], scale: float
+) -> None:
+    """One line per (key, label) over the rows that have the key; the torch and earlier
+    ways dashed."""
+    for key, label in series:
+        chosen = [r for r in rows if key in r]
+        style = "s--" if "torch" in key or "race" in key else "o-"
+        ax.plot([r["rows"] for r in chosen], [r[key] * scale for r in chosen], style, label=label)
+    ax.legend(fontsize="small")
+
+
 def plot(path: Path, result: dict[str, Any]) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(14, 4.5), layout="constrained")
     left, middle, right = fig.subplots(1, 3)
-    s = result["sampling"]
-    ms = [r["rows"] for r in s]
-    for key, label in (
+    sampling_series = (
         ("exponential_race_s", "exponential race (before)"),
         ("inverse_cdf_s", "inverse CDF (sample())"),
         ("greedy_s", "greedy argmax"),
-    ):
-        left.plot(ms, [r[key] * 1e3 for r in s], "o-", label=label)
+    )
+    _panel(left, result["sampling"], sampling_series, 1e3)
     left.set(xscale="log", yscale="log", xlabel="rows at temperature 1", ylabel="ms")
     left.set_title("sampling, vocabulary 49,152")
-    left.legend(fontsize="small")
-    e = result["elementwise"]
-    ms = [r["rows"] for r in e]
-    for key, label in (
+    elementwise_series = (
         ("add_norm_torch_s", "add + RMS norm, torch"),
         ("add_norm_kernel_s", "add + RMS norm, kernel"),
         ("rope_torch_s", "rope q and k, torch"),
         ("rope_kernel_s", "rope q and k, kernel"),
-    ):
-        middle.plot(ms, [r[key] * 1e6 for r in e], "o-" if "kernel" in key else "s--", label=label)
+    )
+    _panel(middle, result["elementwise"], elementwise_series, 1e6)
     middle.set(xscale="log", yscale="log", xlabel="rows", ylabel="us per layer call")
     middle.set_title("a decoder layer's element-wise parts")
-    middle.legend(fontsize="small")
-    f = result["forward"]
-    for key, label in (
+    forward_series = (
         ("decodes_torch_s", "decodes, torch"),
         ("decodes_fused_s", "decodes, fused"),
         ("chunk_torch_s", "prompt chunk, torch"),
         ("chunk_fused_s", "prompt chunk, fused"),
-    ):
-        chosen = [r for r in f if key in r]
-        style = "o-" if "fused" in key else "s--"
-        right.plot([r["rows"] for r in chosen], [r[key] * 1e3 for r in chosen], style, label=label)
+    )
+    _panel(right, result["forward"], forward_series, 1e3)
     right.set(xscale="log", yscale="log", xlabel="rows", ylabel="ms")
     right.set_title(f"the model's forward (context {CONTEXT})")
-    right.legend(fontsize="small")
     fig.savefig(path, dpi=110)
 
 

@@ -56,7 +56,6 @@ class Attention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, config.sliding_window, use_kernel
         )
-        self.fused = False  # the C element-wise kernels (LlamaForCausalLM.use_fused)
 
     def forward(
         self,
@@ -65,15 +64,16 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
+        fused: bool = False,  # the C element-wise kernels (LlamaForCausalLM.use_fused)
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         n = x.shape[0]
-        if self.fused:  # q's and k's heads, side by side in each row, rotated in place
+        if fused:  # q's and k's heads, side by side in each row, rotated in place
             kernels.rope_(qkv, cos, sin, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
-        if not self.fused:
+        if not fused:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
@@ -103,7 +103,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config, use_kernel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
-        self.fused = False  # the C element-wise kernels (LlamaForCausalLM.use_fused)
 
     def forward(
         self,
@@ -113,13 +112,15 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer on (x, residual): the residual stream is residual + x (x alone in the
         first layer), and the sum is made where the norm reads it. Returns the MLP's output
-        and the stream before it, for the next layer to add."""
-        h, residual = self.input_layernorm.add_forward(x, residual, self.fused)
-        x = self.self_attn(h, cos, sin, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.add_forward(x, residual, self.fused)
+        and the stream before it, for the next layer to add. `fused`: through the C
+        element-wise kernels (LlamaForCausalLM.use_fused)."""
+        h, residual = self.input_layernorm.add_forward(x, residual, fused)
+        x = self.self_attn(h, cos, sin, kv_cache, meta, fused)
+        h, residual = self.post_attention_layernorm.add_forward(x, residual, fused)
         return self.mlp(h), residual
 
 
@@ -151,6 +152,7 @@ class LlamaForCausalLM(nn.Module):
         self._weight_t: torch.Tensor | None = None
         self._vocab_packed: torch.Tensor | None = None
         self.linear_backend = "torch"
+        self.fused = False  # the layers' norms and rotary embedding in C (use_fused)
 
     def forward(
         self,
@@ -163,7 +165,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.fused)
         assert residual is not None
         # The last layer's sum is wanted only in the rows whose logits are.
         return self.vocab_logits(self.norm(residual[logits_idx] + x[logits_idx])).float()
@@ -195,8 +197,7 @@ class LlamaForCausalLM(nn.Module):
             and self.config.head_dim <= 1024
             and kernels.elementwise_lib() is not None
         )
-        for layer in self.layers:
-            layer.fused = layer.self_attn.fused = fused
+        self.fused = fused
         return fused
 
     def tune_products(self, linear_backend: str = "auto", repeats: int = 3) -> None:
