@@ -615,6 +615,15 @@ def test_empty_content_is_refused_as_anthropic_does(server: LiveServer, refs: Re
         ),
     ]:
         assert _check_error(_post(server, ok | fields), 400, "invalid_request_error") == expected
+    # A prefill may not end in whitespace (Anthropic's rule); a user turn may.
+    for prefill in ["The capital of France is ", [{"type": "text", "text": "Paris\n"}], "\t"]:
+        messages = [user, {"role": "assistant", "content": prefill}]
+        assert (
+            _check_error(_post(server, ok | {"messages": messages}), 400, "invalid_request_error")
+            == "messages: final assistant content cannot end with trailing whitespace"
+        )
+    spaced = {"role": "user", "content": user["content"] + " \n"}
+    assert _post(server, ok | {"messages": [spaced]}).status_code == 200
     # A final assistant turn may be empty: a prefill of nothing, the plain answer.
     answer = _client(server).messages.create(
         model=MODEL,

@@ -775,6 +775,34 @@ def test_wrong_type(server: LiveServer) -> None:
     _assert_answers(server)
 
 
+def test_stream_options_without_stream_is_refused(server: LiveServer) -> None:
+    """As OpenAI does: stream_options on a reply that is not streamed is a 400 naming it,
+    on both routes, through the official client too; with stream it is served."""
+    message = "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+    options = {"include_usage": True}
+    for route, body in [
+        (CHAT_ROUTE, _chat_body(EOS_CHAT, max_tokens=2, stream_options=options)),
+        (
+            CMPL_ROUTE,
+            {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream_options": options},
+        ),
+        (CHAT_ROUTE, _chat_body(EOS_CHAT, max_tokens=2, stream=False, stream_options=options)),
+    ]:
+        error = _error(httpx.post(server.url + route, json=body), 400)
+        assert error == {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "stream_options",
+            "code": None,
+        }
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(server).chat.completions.create(
+            model=MODEL, messages=EOS_CHAT, max_tokens=2, stream_options=options
+        )
+    assert info.value.param == "stream_options"
+    _assert_answers(server)
+
+
 def test_unknown_model(server: LiveServer) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         _client(server).chat.completions.create(model="gpt-4o", messages=EOS_CHAT)

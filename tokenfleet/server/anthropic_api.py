@@ -96,6 +96,20 @@ def _check_contents(body: CountTokensRequest) -> None:
             )
 
 
+def _check_prefill(body: MessagesRequest) -> None:
+    """Anthropic's rule for a prefill (a final assistant turn): it may be empty, but it
+    may not end in whitespace."""
+    final = body.messages[-1] if body.messages else None
+    if final is not None and final.role == "assistant":
+        text = _text(final.content)
+        if text and text[-1].isspace():
+            raise APIError(
+                400,
+                "invalid_request",
+                "messages: final assistant content cannot end with trailing whitespace",
+            )
+
+
 def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
     """The checked conversation's token ids (count_tokens and Messages alike)."""
     refuse_unsupported(body, ANTHROPIC_MESSAGES)
@@ -125,6 +139,7 @@ class MessageCall:
 def prepare_message(service: GenerationService, body: MessagesRequest) -> MessageCall:
     """Every check of a Messages call that needs no engine time."""
     prompt = _prompt(service, body)
+    _check_prefill(body)
     service.check_length(len(prompt), body.max_tokens, "max_tokens")
     try:
         params = SamplingParams(

@@ -89,6 +89,12 @@ class CommonRequest(BaseModel):
                     )
         return value
 
+    def check_stream_options(self) -> None:
+        """stream_options go with stream only (OpenAI refuses them on a plain reply)."""
+        if self.stream_options is not None and not self.stream:
+            message = "The 'stream_options' parameter is only allowed when 'stream' is enabled."
+            raise APIError(400, "invalid_request", message, param="stream_options")
+
     def check_token_ids(self, vocab: int) -> None:
         """logit_bias and stop_token_ids name tokens of the vocabulary."""
         for param, ids in (

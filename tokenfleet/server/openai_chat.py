@@ -57,6 +57,7 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
     """Every check of a chat completion call that needs no engine time."""
     service.check_model(body.model)
     body.stop_list()
+    body.check_stream_options()
     refuse_unsupported(body, OPENAI_CHAT)
     for i, m in enumerate(body.messages):
         refuse_unsupported(m, OPENAI_MESSAGE, f"messages.{i}.")

@@ -62,6 +62,7 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
     """Every check of a completions call that needs no engine time."""
     service.check_model(body.model)
     body.stop_list()
+    body.check_stream_options()
     refuse_unsupported(body, OPENAI_COMPLETION)
     best_of = (body.model_extra or {}).get("best_of")
     if best_of is not None and best_of not in (1, body.n):
