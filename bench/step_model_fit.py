@@ -9,7 +9,9 @@ features and measured runner time are recorded, and predicted by
 
 * *profile*: the coefficients fitted on the start-up profile alone;
 * *online*: the model as the engine runs it (the profile as prior, refitted after every
-  step from the recent window), each step predicted before it is observed;
+  step from the recent window, scaled by the recent measured/fitted bias), each step
+  predicted before it is observed; for the library's model also *online, no bias*, the
+  same replay without that scaling;
 * *held-out*: fitted on the profile plus every other step, scored on the steps between;
 
 with the library's model (5 terms), without its prefill-attention term (4 terms), and,
@@ -143,10 +145,14 @@ SUBSETS = {"all": lambda s: True, "long-context": is_long_context, "small-decode
 
 
 def replay_online(
-    prior: list[StepSample], samples: list[StepSample], terms: tuple[str, ...]
+    prior: list[StepSample],
+    samples: list[StepSample],
+    terms: tuple[str, ...],
+    bias_weight: float = StepModelConfig.bias_weight,
 ) -> list[float]:
-    """The engine's online model with these terms, replayed over the same steps."""
-    model = StepTimeModel(StepModelConfig(terms=terms))
+    """The engine's online model with these terms, replayed over the same steps (with
+    `bias_weight` 0: without the recent-bias scaling)."""
+    model = StepTimeModel(StepModelConfig(terms=terms, bias_weight=bias_weight))
     model.set_prior(prior)
     predicted = []
     for s in samples:
@@ -197,6 +203,8 @@ def evaluate(prior: list[StepSample], samples: list[StepSample]) -> dict[str, An
             held_coef = fit_coefficients(prior + train, terms)
             fits["profile"] = (everything, [_predict(samples[i], profile_coef) for i in everything])
             fits["online"] = (everything, replay_online(prior, samples, terms))
+            if name == "5 terms":  # the same steps without the recent-bias scaling
+                fits["online, no bias"] = (everything, replay_online(prior, samples, terms, 0))
             fits["held-out"] = (test, [_predict(samples[i], held_coef) for i in test])
         results[name] = {
             "profile_coefficients": profile_coef.tolist(),

@@ -230,7 +230,7 @@ def test_without_a_profile_the_first_fit_waits_for_enough_steps() -> None:
 
 
 def test_prediction_error_quantiles_of_given_steps() -> None:
-    model = StepTimeModel(StepModelConfig(window=200, refit_interval=1000))
+    model = StepTimeModel(StepModelConfig(window=200, refit_interval=1000, bias_weight=0))
     model.set_prior(_samples(TRUE, _grid()))
     assert model.prediction_error_quantiles() is None
     f = StepFeatures.of_chunk(1, 99)
@@ -243,7 +243,7 @@ def test_prediction_error_quantiles_of_given_steps() -> None:
 
 
 def test_error_quantiles_cover_only_the_last_window_of_steps() -> None:
-    model = StepTimeModel(StepModelConfig(window=4, refit_interval=1000))
+    model = StepTimeModel(StepModelConfig(window=4, refit_interval=1000, bias_weight=0))
     model.set_prior(_samples(TRUE, _grid()))
     f = StepFeatures.of_chunk(1, 99)
     predicted = model.predict(f)
@@ -251,6 +251,39 @@ def test_error_quantiles_cover_only_the_last_window_of_steps() -> None:
         model.observe(f, predicted / (1 + error))
     quantiles = model.prediction_error_quantiles((0, 0.5, 1))
     assert quantiles == pytest.approx([0.1, 0.25, 0.4], abs=1e-12)
+
+
+def test_predictions_follow_a_slow_spell_by_the_recent_bias() -> None:
+    """A spell of steps 1.3x the fit (the fit held still): each prediction is the fit's
+    times an average of the recent measured/fitted ratios, weight 0.2 on the newest; the
+    error recorded is the scaled prediction's; the coefficients others price steps with
+    carry the same scale; one 10x stall counts as 2x."""
+    model = StepTimeModel(StepModelConfig(refit_interval=1000))
+    model.set_prior(_samples(TRUE, _grid()))
+    f = StepFeatures.of_chunk(1, 99)
+    fitted = float(f.vector() @ TRUE)
+    assert model.bias == 1.0 and model.predict(f) == pytest.approx(fitted, rel=1e-9)
+    bias = 1.0
+    for n in range(1, 11):
+        model.observe(f, 1.3 * fitted)
+        error = abs(bias - 1.3) / 1.3  # against the prediction made before this step
+        assert model._errors[n - 1] == pytest.approx(error, rel=1e-9)
+        bias += 0.2 * (1.3 - bias)
+        assert model.bias == pytest.approx(1.3 - 0.3 * 0.8**n, rel=1e-12)
+        assert model.predict(f) == pytest.approx(bias * fitted, rel=1e-9)
+    coef = model.coefficients
+    assert list(coef.values()) == pytest.approx(list(TRUE * bias), rel=1e-9)
+    assert model.profile_coefficients == pytest.approx(dict(zip(TERMS, TRUE, strict=True)))
+    model.observe(f, 10 * fitted)
+    assert model.bias == pytest.approx(bias + 0.2 * (2.0 - bias), rel=1e-12)
+    # Weight 0: the fit's predictions as they are.
+    plain = StepTimeModel(StepModelConfig(refit_interval=1000, bias_weight=0))
+    plain.set_prior(_samples(TRUE, _grid()))
+    for _ in range(5):
+        plain.observe(f, 1.3 * fitted)
+    assert plain.bias == 1.0 and plain.predict(f) == pytest.approx(fitted, rel=1e-9)
+    with pytest.raises(ValueError, match="bias_weight"):
+        StepModelConfig(bias_weight=1.5)
 
 
 # -- the start-up profile ------------------------------------------------------------------

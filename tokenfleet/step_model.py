@@ -154,6 +154,12 @@ class StepModelConfig:
     profile step `prior_weight` times as much as a recent one: little, so that recent
     steps win wherever they say something, but enough to pin the terms they never vary
     (the prefill slope through a quiet period with decodes only).
+
+    `bias_weight` follows the machine's spells of fast and slow steps, which last seconds
+    (over a run's steps the measured/predicted ratio correlates 0.7 from one step to the
+    next): every prediction is scaled by an exponential moving average of the recent
+    steps' measured / fitted ratios (each clipped to [1/2, 2], so that one stall does not
+    swing it), with this weight on the newest; 0 leaves the fit's predictions as they are.
     """
 
     terms: tuple[str, ...] = TERMS
@@ -162,6 +168,7 @@ class StepModelConfig:
     window: int = 512
     refit_interval: int = 1
     prior_weight: float = 0.1
+    bias_weight: float = 0.2
 
     def __post_init__(self) -> None:
         unknown = set(self.terms) - set(TERMS)
@@ -174,6 +181,8 @@ class StepModelConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.prior_weight < 0:
             raise ValueError(f"prior_weight must be >= 0, got {self.prior_weight}")
+        if not 0 <= self.bias_weight <= 1:
+            raise ValueError(f"bias_weight must be in [0, 1], got {self.bias_weight}")
 
 
 def nnls_gram(gram: Array, h: Array) -> Array:
@@ -298,11 +307,15 @@ class StepTimeModel:
         self._since_refit = 0
         self.fitted = False
         self.num_observed = 0
+        # Recent steps' measured / fitted time (StepModelConfig.bias_weight): predictions,
+        # and the coefficients others price steps with, are the fit's scaled by it.
+        self.bias = 1.0
 
     @property
     def coefficients(self) -> dict[str, float]:
-        """Seconds per unit of each of TERMS (the intercept in seconds per step)."""
-        return {t: float(c) for t, c in zip(TERMS, self._coef, strict=True)}
+        """Seconds per unit of each of TERMS (the intercept in seconds per step), as
+        `predict` prices steps: the fit's, scaled by the recent bias."""
+        return {t: float(c) * self.bias for t, c in zip(TERMS, self._coef, strict=True)}
 
     @property
     def profile_coefficients(self) -> dict[str, float]:
@@ -317,7 +330,7 @@ class StepTimeModel:
         return list(self._window)
 
     def predict(self, features: StepFeatures) -> float:
-        return float(features.vector() @ self._coef)
+        return float(features.vector() @ self._coef) * self.bias
 
     def fit(self, samples: Sequence[StepSample]) -> None:
         """Fit on `samples` alone, replacing the coefficients (prior and window unused)."""
@@ -348,9 +361,13 @@ class StepTimeModel:
         if seconds <= 0:
             return
         if self.fitted:
-            error = abs(self.predict(features) - seconds) / seconds
+            fitted = float(features.vector() @ self._coef)
+            error = abs(fitted * self.bias - seconds) / seconds
             self._errors[self._num_errors % self.config.window] = error
             self._num_errors += 1
+            if fitted > 0:
+                ratio = min(max(seconds / fitted, 0.5), 2.0)
+                self.bias += self.config.bias_weight * (ratio - self.bias)
         self._rows[self.num_observed % self.config.window] = features.vector() / seconds
         self._window.append(StepSample(features, seconds))
         self.num_observed += 1
