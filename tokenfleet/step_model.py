@@ -360,15 +360,16 @@ class StepTimeModel:
         there are enough samples for a first fit)."""
         if seconds <= 0:
             return
+        vector = features.vector()
         if self.fitted:
-            fitted = float(features.vector() @ self._coef)
+            fitted = float(vector @ self._coef)
             error = abs(fitted * self.bias - seconds) / seconds
             self._errors[self._num_errors % self.config.window] = error
             self._num_errors += 1
             if fitted > 0:
                 ratio = min(max(seconds / fitted, 0.5), 2.0)
                 self.bias += self.config.bias_weight * (ratio - self.bias)
-        self._rows[self.num_observed % self.config.window] = features.vector() / seconds
+        self._rows[self.num_observed % self.config.window] = vector / seconds
         self._window.append(StepSample(features, seconds))
         self.num_observed += 1
         self._since_refit += 1
