@@ -67,6 +67,38 @@ def _reference_chunk(
     return torch.stack([_reference(q[i], k[:e], v[:e], window) for i, e in enumerate(ends)])
 
 
+class _Batch:
+    """A step's K/V cache of random blocks (a random pick of the pool per sequence) and its
+    new rows, for sequences given as (context after this step, query tokens)."""
+
+    def __init__(
+        self,
+        shapes: list[tuple[int, int]],
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        seed: int,
+    ) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        num_blocks = sum(-(c // -block_size) for c, _ in shapes) + 4
+        cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+        self.cache = cache.to(kv_dtype)
+        perm = torch.randperm(num_blocks, generator=gen).tolist()
+        total = sum(n for _, n in shapes)
+        self.q = torch.randn(total, heads, head_dim, generator=gen)
+        self.k_new = torch.randn(total, kv_heads, head_dim, generator=gen)
+        self.v_new = torch.randn(total, kv_heads, head_dim, generator=gen)
+        self.seqs: list[tuple[int, int, list[int]]] = []
+        self.tables: list[list[int]] = []
+        for context, n in shapes:
+            blocks = -(context // -block_size)
+            ids, perm = perm[:blocks], perm[blocks:]
+            self.tables.append(ids)
+            self.seqs.append((context - n, n, ids))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["c-kernel", "torch"])
 @pytest.mark.parametrize(
@@ -88,24 +120,11 @@ def test_chunks_and_decodes_in_one_batch_match_contiguous_attention(
     cache holds the new K/V rounded to its type, and attention reads exactly those."""
     if use_kernel and paged_attention_lib() is None:
         pytest.fail("the C kernel did not build: is a C compiler installed?")
-    gen = torch.Generator().manual_seed(1)
     # (context after this step, query tokens): decodes first, as the runner orders them
     shapes = [(5, 1), (3 * block_size, 1), (40, 2), (7, 7), (90, 9), (61, 16), (100, 17), (33, 33)]
-    num_blocks = sum(-(c // -block_size) for c, _ in shapes) + 4
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    cache = cache.to(kv_dtype)
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    total = sum(n for _, n in shapes)
-    q = torch.randn(total, heads, head_dim, generator=gen)
-    k_new = torch.randn(total, kv_heads, head_dim, generator=gen)
-    v_new = torch.randn(total, kv_heads, head_dim, generator=gen)
-    seqs, tables = [], []
-    for context, n in shapes:
-        blocks = -(context // -block_size)
-        ids, perm = perm[:blocks], perm[blocks:]
-        tables.append(ids)
-        seqs.append((context - n, n, ids))
-    meta = AttentionMetadata.build(seqs, block_size, torch.device("cpu"), window)
+    batch = _Batch(shapes, heads, kv_heads, head_dim, block_size, kv_dtype, seed=1)
+    cache, q, k_new, v_new, tables = batch.cache, batch.q, batch.k_new, batch.v_new, batch.tables
+    meta = AttentionMetadata.build(batch.seqs, block_size, torch.device("cpu"), window)
     assert [p.in_kernel for p in meta.prefills] == [True, True, True, True, False, False]
     attn = PagedAttention(heads, kv_heads, head_dim, window, use_kernel=use_kernel)
     out = attn.forward(q, k_new, v_new, cache[0], cache[1], meta).view(-1, heads, head_dim)
@@ -120,3 +139,41 @@ def test_chunks_and_decodes_in_one_batch_match_contiguous_attention(
         expected.append(_reference_chunk(q[row : row + n], k, v, window))
         row += n
     torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [None, 1500], ids=["causal", "window"])
+def test_long_contexts_split_across_threads_match_contiguous_attention(
+    kv_dtype: torch.dtype, window: int | None
+) -> None:
+    """With two threads the kernel cuts a context longer than its 1,024-key segments into
+    segments that threads take apart and merges their softmaxes: decodes and short chunks
+    over 2,500-4,100 tokens (segments of the window's start left empty among them) give
+    plain attention's result, as one thread's single pass does."""
+    if paged_attention_lib() is None:
+        pytest.fail("the C kernel did not build: is a C compiler installed?")
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    shapes = [(5, 1), (2500, 1), (1024, 1), (3000, 4), (4097, 9), (2100, 16)]
+    batch = _Batch(shapes, heads, kv_heads, head_dim, block_size, kv_dtype, seed=2)
+    cache, q, k_new, v_new, tables = batch.cache, batch.q, batch.k_new, batch.v_new, batch.tables
+    meta = AttentionMetadata.build(batch.seqs, block_size, torch.device("cpu"), window)
+    assert all(p.in_kernel for p in meta.prefills)
+    attn = PagedAttention(heads, kv_heads, head_dim, window)
+    threads = torch.get_num_threads()
+    outs = {}
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            out = attn.forward(q, k_new, v_new, cache[0], cache[1], meta)
+            outs[n_threads] = out.view(-1, heads, head_dim)
+    finally:
+        torch.set_num_threads(threads)
+    expected, row = [], 0
+    for (context, n), ids in zip(shapes, tables, strict=True):
+        k = cache[0][ids].reshape(-1, kv_heads, head_dim)[:context].float()
+        v = cache[1][ids].reshape(-1, kv_heads, head_dim)[:context].float()
+        expected.append(_reference_chunk(q[row : row + n], k, v, window))
+        row += n
+    for out in outs.values():
+        torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)
+    assert not torch.equal(outs[1], outs[2])  # the split ran: its sums round otherwise

@@ -17,7 +17,9 @@
  * per V row loaded, vector exponentials. Against the per-head path it replaced
  * (bench/attention_kernel.py, 30 layers of the bundled model, one thread, float16 KV at
  * context 8,000): one query 55 -> 22 ms, 4 queries 104 -> 48 ms, 16 queries 379 -> 181
- * ms. Other shapes keep the per-head path below it.
+ * ms. With more than one thread, a decode or short chunk over a long context is cut into
+ * segments that threads take apart (SPLIT_KEYS; at two threads one query over 8,000 keys
+ * 35 -> 22 ms in float32). Other shapes keep the per-head path below it.
  *
  * q: [T, H, D], the rows of sequence b at query_starts[b] .. + query_lens[b] - 1;
  * k_cache, v_cache: [num_blocks, BS, HKV, D] of float32 (paged_attention_f32), float16
@@ -30,6 +32,7 @@
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -40,6 +43,8 @@
  * follow the table; one block ahead, into L1, or all of a block's lines in one burst hid
  * less of the latency (context 8,000). */
 #define PREFETCH_BLOCKS 4
+/* Keys a thread takes of a long context when more than one thread runs (a multiple of 16). */
+#define SPLIT_KEYS 1024
 
 #if defined(__AVX512F__)
 /* Two vectors' lanes summed pairwise into one: a's partial sums in the low half, b's in
