@@ -129,9 +129,8 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
      * prompt) has its long context cut into segments of SPLIT_KEYS keys that threads take
      * apart, each with its own running max, sum and output, merged below: otherwise one
      * thread reads the whole context while the others wait. Sequences with a tile for
-     * every thread stay whole: their threads then read the same blocks about together,
-     * and share them in the last-level cache (at two threads, 16 queries over 8,000 keys
-     * took 20% longer split). One thread reads every context in one pass. */
+     * every thread stay whole: they keep the threads busy already, and a split would only
+     * add its merge. One thread reads every context in one pass. */
     int64_t max_segs = 1, num_split = 0, split_index[B];
     for (int64_t b = 0; b < B; b++) {
         const int64_t segs = (context_lens[b] + SPLIT_KEYS - 1) / SPLIT_KEYS;
