@@ -73,11 +73,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--warm-up", type=float, default=5.0, help="seconds of streams before the long prompt")
     add("--max-model-len", type=int, default=8192)
     add("--num-threads", type=int, default=1)
-    add(
-        "--long-context-threads",
-        type=int,
-        help="every run's --long-context-threads (default: the server's, --num-threads)",
-    )
     add("--timeout", type=float, default=900.0, help="seconds for the long prompt's first token")
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
@@ -214,11 +209,6 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.0f}"
 
 
-def long_context_threads(args: argparse.Namespace) -> list[str]:
-    n = args.long_context_threads
-    return [] if n is None else ["--long-context-threads", str(n)]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = RunStart.now()
@@ -235,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 name.replace(" ", "").replace(",", "-"),
                 policy,
                 (3600.0, target),
-                [*extra, *long_context_threads(args)],
+                extra,
             ) as server:
                 row = asyncio.run(measure(server.url, args, prompt, prompt_tokens))
             row["within_target"] = (row["gap_during_max_s"] or 0) <= target

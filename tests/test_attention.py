@@ -149,9 +149,7 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
     """With two threads the kernel cuts a context longer than its 1,024-key segments into
     segments that threads take apart and merges their softmaxes: decodes and short chunks
     over 2,500-4,100 tokens (segments of the window's start left empty among them) give
-    plain attention's result, as one thread's single pass does; and so do two threads
-    asked for by the step's metadata (long_context_threads, a context of LONG_CONTEXT or
-    more) while torch runs one."""
+    plain attention's result, as one thread's single pass does."""
     if paged_attention_lib() is None:
         pytest.fail("the C kernel did not build: is a C compiler installed?")
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
@@ -159,18 +157,14 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
     batch = _Batch(shapes, heads, kv_heads, head_dim, block_size, kv_dtype, seed=2)
     cache, q, k_new, v_new, tables = batch.cache, batch.q, batch.k_new, batch.v_new, batch.tables
     meta = AttentionMetadata.build(batch.seqs, block_size, torch.device("cpu"), window)
-    assert all(p.in_kernel for p in meta.prefills) and meta.kernel_threads is None
-    long = AttentionMetadata.build(batch.seqs, block_size, torch.device("cpu"), window, 2)
-    assert long.kernel_threads == 2  # 4,097 tokens of context: at least LONG_CONTEXT
-    short = AttentionMetadata.build(batch.seqs[:-2], block_size, torch.device("cpu"), window, 2)
-    assert short.kernel_threads is None  # at most 3,000: the engine's threads
+    assert all(p.in_kernel for p in meta.prefills)
     attn = PagedAttention(heads, kv_heads, head_dim, window)
     threads = torch.get_num_threads()
     outs = {}
     try:
-        for n_threads, step in ((1, meta), (2, meta), ("1 + 2 for a long context", long)):
-            torch.set_num_threads(n_threads if isinstance(n_threads, int) else 1)
-            out = attn.forward(q, k_new, v_new, cache[0], cache[1], step)
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            out = attn.forward(q, k_new, v_new, cache[0], cache[1], meta)
             outs[n_threads] = out.view(-1, heads, head_dim)
     finally:
         torch.set_num_threads(threads)
@@ -183,4 +177,3 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
     for out in outs.values():
         torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)
     assert not torch.equal(outs[1], outs[2])  # the split ran: its sums round otherwise
-    assert torch.equal(outs[2], outs["1 + 2 for a long context"])

@@ -47,8 +47,6 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     args = build_parser().parse_args(["serve"])
     assert (args.port, args.api_key, args.num_threads) == (8765, ["from-env"], 3)
     args = build_parser().parse_args(["serve", "--port", "9001", "--num-threads", "1"])
-    assert (args.port, args.num_threads, args.long_context_threads) == (9001, 1, None)
-    args = build_parser().parse_args(["serve", "--long-context-threads", "2"])
-    assert args.long_context_threads == 2
+    assert (args.port, args.num_threads) == (9001, 1)
     monkeypatch.delenv("TOKENFLEET_PORT")
     assert build_parser().parse_args(["serve"]).port == 8000  # the declared default

@@ -107,10 +107,6 @@ def test_context_length_is_capped_by_the_kv_cache(model_folder: Path) -> None:
         ),
         (lambda: EngineConfig(dtype="int8"), "dtype must be one of"),
         (lambda: EngineConfig(num_threads=0), "num_threads must be at least 1, got 0"),
-        (
-            lambda: EngineConfig(long_context_threads=0),
-            "long_context_threads must be at least 1, got 0",
-        ),
     ],
 )
 def test_bad_engine_settings_are_refused_at_construction(build: object, message: str) -> None:

@@ -32,13 +32,6 @@ from tokenfleet.kernels import paged_attention
 # queries 17 against 24. (The kernel before its fast path: 32 queries 440 ms against 324.)
 KERNEL_MAX_QUERY = 16
 
-# A step with a sequence of this many tokens of context or more runs the kernel with the
-# runner's long-context threads where set: one query deep in a long prompt reads its whole
-# context (8,000 tokens: ~34 ms of float32 K/V at one thread, ~22 at two), which a second
-# thread halves while the linear layers keep the engine's one. Shorter contexts stay on
-# the engine's threads, so that the gateway's core is not taken every step.
-LONG_CONTEXT = 4096
-
 
 @dataclass(frozen=True)
 class PrefillSeq:
@@ -66,8 +59,6 @@ class AttentionMetadata:
     kernel_context_lens: torch.Tensor  # [num_kernel_seqs]
     kernel_query_starts: torch.Tensor  # [num_kernel_seqs]: first row in the batch
     kernel_query_lens: torch.Tensor  # [num_kernel_seqs]
-    # Threads for the kernel this step (None: torch's); see LONG_CONTEXT.
-    kernel_threads: int | None = None
 
     @classmethod
     def build(
@@ -76,11 +67,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
         sliding_window: int | None = None,
-        long_context_threads: int | None = None,
     ) -> AttentionMetadata:
-        """From (start_pos, num_query, block_ids) per sequence, in batch order, decodes
-        first; the kernel gets `long_context_threads` where a context is LONG_CONTEXT or
-        more."""
+        """From (start_pos, num_query, block_ids) per sequence, in batch order, decodes first."""
         slots: list[int] = []
         tables: list[list[int]] = []  # the kernel's sequences, decodes first
         lens: list[int] = []
@@ -137,7 +125,6 @@ class AttentionMetadata:
             kernel_context_lens=context_lens,
             kernel_query_starts=torch.tensor(starts, dtype=torch.long, device=device),
             kernel_query_lens=torch.tensor(query_lens, dtype=torch.long, device=device),
-            kernel_threads=(long_context_threads if max(lens, default=0) >= LONG_CONTEXT else None),
         )
 
 
@@ -195,7 +182,6 @@ class PagedAttention:
                 meta.kernel_query_lens,
                 self.head_dim**-0.5,
                 self.sliding_window,
-                meta.kernel_threads,
             )
             prefills = [seq for seq in prefills if not seq.in_kernel]
         else:

@@ -59,7 +59,6 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             num_threads=args.num_threads,
-            long_context_threads=args.long_context_threads,
             max_model_len=args.max_model_len,
             linear_backend=args.linear_backend,
             runner=args.runner,
@@ -188,14 +187,6 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add("--device", default="cpu", help="cpu or cuda (default %(default)s)")
     add("--dtype", default="float32", help="float32 or bfloat16 (default %(default)s)")
     add("--num-threads", type=int, default=num_threads, help="torch threads for the engine")
-    add(
-        "--long-context-threads",
-        type=int,
-        default=None,
-        help="threads for attention in steps with a context of 4,096 tokens or more (default: "
-        "--num-threads); with --num-threads 1, 2 reads a long prompt's context on the second "
-        "core only while it is read",
-    )
     add(
         "--linear-backend",
         choices=("auto", "torch", "onednn"),

@@ -121,10 +121,6 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     num_threads: int | None = None
-    # Threads for attention in a step with a context of attention.LONG_CONTEXT tokens or
-    # more (None: num_threads): one thread for the linear layers leaves the gateway a core,
-    # and a second for a long context's attention only borrows it for those reads.
-    long_context_threads: int | None = None
     max_model_len: int | None = None
     seed: int = 0
     attention_backend: str = "auto"
@@ -172,9 +168,5 @@ class EngineConfig:
             raise ValueError(f"runner must be 'model' or 'fixed', got {self.runner!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
-        if self.long_context_threads is not None and self.long_context_threads < 1:
-            raise ValueError(
-                f"long_context_threads must be at least 1, got {self.long_context_threads}"
-            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")

@@ -73,7 +73,6 @@ class EngineCore:
                 seed=config.seed,
                 attention_backend=config.attention_backend,
                 linear_backend=config.linear_backend,
-                long_context_threads=config.long_context_threads,
             )
         self.model_config = self.runner.config
         block_size = config.cache.block_size

@@ -49,10 +49,8 @@ class ModelRunner:
         seed: int = 0,
         attention_backend: str = "auto",
         linear_backend: str = "auto",
-        long_context_threads: int | None = None,
     ) -> None:
         self.device = torch.device(device)
-        self.long_context_threads = long_context_threads
         self.dtype = DTYPES[dtype]
         self.use_kernel = (
             attention_backend == "auto"
@@ -145,7 +143,6 @@ class ModelRunner:
             self.block_size,
             self.device,
             self.config.sliding_window,
-            self.long_context_threads,
         )
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         logits = self.model(

@@ -121,10 +121,9 @@ def paged_attention(
     query_lens: torch.Tensor,  # [B] int64: its rows (the last query_lens of its context)
     scale: float,
     sliding_window: int | None = None,
-    num_threads: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's query rows over its paged context, read in
-    place (kernels/paged_attention.c), by `num_threads` threads (default torch's)."""
+    place (kernels/paged_attention.c)."""
     lib = paged_attention_lib()
     assert lib is not None, "call only when paged_attention_lib() is available"
     q = q.contiguous()
@@ -152,7 +151,7 @@ def paged_attention(
         block_tables.shape[1],
         scale,
         sliding_window or 0,
-        num_threads or torch.get_num_threads(),
+        torch.get_num_threads(),
     )
     return out
 
