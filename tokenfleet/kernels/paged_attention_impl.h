@@ -131,18 +131,24 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
      * thread reads the whole context while the others wait. Sequences with a tile for
      * every thread stay whole: they keep the threads busy already, and a split would only
      * add its merge. One thread reads every context in one pass. */
-    int64_t max_segs = 1, num_split = 0, split_index[B];
+    /* per sequence: its segments (1: whole), and its place among the split ones (-1: none) */
+    int64_t max_segs = 1, num_split = 0, num_segs[B], split_index[B];
     for (int64_t b = 0; b < B; b++) {
         const int64_t segs = (context_lens[b] + SPLIT_KEYS - 1) / SPLIT_KEYS;
         const int64_t tiles = (query_lens[b] + TILE - 1) / TILE;
-        split_index[b] = (tiles < num_threads && segs > 1) ? num_split++ : -1;
-        max_segs = split_index[b] >= 0 && segs > max_segs ? segs : max_segs;
+        const int split = tiles < num_threads && segs > 1;
+        num_segs[b] = split ? segs : 1;
+        split_index[b] = split ? num_split++ : -1;
+        max_segs = num_segs[b] > max_segs ? num_segs[b] : max_segs;
     }
     const int64_t part_floats = TILE * H * (D + 2); /* a segment's acc, then m, then l */
     float *parts = NULL;
     if (num_split > 0) {
         parts = malloc(sizeof(float) * num_split * max_tiles * max_segs * part_floats);
-        if (parts == NULL) max_segs = 1; /* no room: one pass a tile, as with one thread */
+        if (parts == NULL) { /* no room: one pass a tile, as with one thread */
+            for (int64_t b = 0; b < B; b++) num_segs[b] = 1;
+            max_segs = 1;
+        }
     }
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t b = 0; b < B; b++) {
@@ -150,8 +156,7 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
             for (int64_t seg = 0; seg < max_segs; seg++) {
                 const int64_t n = query_lens[b], first = tile * TILE;
                 if (first >= n) continue;
-                const int64_t segs =
-                    max_segs > 1 && split_index[b] >= 0 ? (context_lens[b] + SPLIT_KEYS - 1) / SPLIT_KEYS : 1;
+                const int64_t segs = num_segs[b];
                 if (seg >= segs) continue;
                 const int64_t nq = n - first < TILE ? n - first : TILE;
                 const int64_t ctx = context_lens[b];
@@ -294,8 +299,8 @@ static void NAME(fast)(const float *q, const KV *k_cache, const KV *v_cache,
     for (int64_t b = 0; b < B; b++) {
         for (int64_t tile = 0; tile < max_tiles; tile++) {
             const int64_t n = query_lens[b], first = tile * TILE;
-            if (first >= n || split_index[b] < 0) continue;
-            const int64_t segs = (context_lens[b] + SPLIT_KEYS - 1) / SPLIT_KEYS;
+            const int64_t segs = num_segs[b];
+            if (first >= n || segs < 2) continue;
             const int64_t nq = n - first < TILE ? n - first : TILE;
             const float *part0 = parts + (split_index[b] * max_tiles + tile) * max_segs * part_floats;
             for (int64_t p = 0; p < nq * H; p++) {
