@@ -452,6 +452,21 @@ def test_cancel_cancels_queued_requests_and_lets_leased_ones_finish(store: Batch
     assert store.cancel_batch("msgbatch_1", "alice", T0 + 5) == ended
 
 
+def test_open_batches_are_those_in_progress_or_canceling(store: BatchStore) -> None:
+    assert store.has_open_batches() is False
+    store.create_batch(new_batch("msgbatch_1"), new_requests(1))
+    store.create_batch(new_batch("msgbatch_2"), new_requests(1))
+    assert store.has_open_batches() is True
+    store.cancel_batch("msgbatch_1", "alice", T0 + 1)  # nothing leased: all canceled
+    [leased] = store.lease("engine-a", 1, 60, T0 + 1)
+    assert store.complete("msgbatch_2", leased.idx, leased.epoch, "succeeded", "{}", T0 + 2)
+    assert store.has_open_batches() is True  # canceling, and in progress until ended
+    assert sorted(store.finish_batches(T0 + 3)) == ["msgbatch_1", "msgbatch_2"]
+    assert store.has_open_batches() is False
+    store.create_batch(new_batch("batch_3", api="openai", errors='{"data": []}'), [])
+    assert store.has_open_batches() is False  # failed validation: stored ended
+
+
 def test_expiry_ends_queued_and_leased_requests(store: BatchStore) -> None:
     store.create_batch(new_batch("msgbatch_1", expires_at=T0 + 100), new_requests(3))
     store.create_batch(new_batch("msgbatch_2", expires_at=T0 + 500), new_requests(1))

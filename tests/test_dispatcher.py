@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tokenfleet.server.dispatcher import lease_room
@@ -31,7 +33,6 @@ def test_a_result_that_arrives_during_a_commit_is_committed_in_the_next_round() 
     import asyncio
     import threading
     import time
-    from typing import Any
 
     from tokenfleet.batch.schema import LeasedRequest
     from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
@@ -64,3 +65,81 @@ def test_a_result_that_arrives_during_a_commit_is_committed_in_the_next_round() 
 
     asyncio.run(go())
     assert committed == [[0], [1]]
+
+
+def test_an_idle_dispatcher_only_reads_the_store_and_still_finds_another_gateways_batch(
+    tmp_path: Any,
+) -> None:
+    """With nothing running and no open batch, a tick is one read (no round of writes on
+    the store's thread); a batch another gateway created (no wake here) is still found at
+    the next idle tick, run, and ended."""
+    import asyncio
+    import json
+    import time
+    from collections import Counter
+
+    from tokenfleet.batch.schema import NewBatch, NewRequest
+    from tokenfleet.batch.store import BatchStore
+    from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
+
+    store = BatchStore(f"sqlite:///{tmp_path / 'batches.db'}")
+    calls: Counter[str] = Counter()
+
+    class CountingStore:
+        def __getattr__(self, name: str) -> Any:
+            method = getattr(store, name)
+
+            def counted(*args: Any) -> Any:
+                calls[name] += 1
+                return method(*args)
+
+            return counted
+
+    ran: list[dict[str, Any]] = []
+
+    async def runner(params: dict[str, Any]) -> dict[str, Any]:
+        ran.append(params)
+        return {"echo": params["i"]}
+
+    async def until(condition: Any, timeout_s: float = 10) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, dict(calls)
+            await asyncio.sleep(0.005)
+
+    async def go() -> None:
+        dispatcher = BatchDispatcher(
+            CountingStore(),  # type: ignore[arg-type]
+            DispatcherConfig(owner="g", poll_s=0.002, maintenance_s=0.01),  # idle: 40-ms ticks
+            {"/v1/messages": runner},
+            ResultFormats(),
+        )
+        await dispatcher.start()
+        try:
+            await until(lambda: calls["has_open_batches"] >= 4)
+            # One archive pass at the first tick (hourly after that); nothing else.
+            assert set(calls) == {"requeue_owner", "has_open_batches", "archive_batches"}
+            assert calls["requeue_owner"] == calls["archive_batches"] == 1
+            now = time.time()
+            store.create_batch(  # as another gateway sharing the store would
+                NewBatch("msgbatch_1", "anthropic", "alice", "/v1/messages", now, now + 3600),
+                (NewRequest(f"r{i}", json.dumps({"i": i})) for i in range(3)),
+            )
+            await until(
+                lambda: (
+                    (b := store.get_batch_any_owner("msgbatch_1")) is not None
+                    and b.state == "ended"
+                )
+            )
+            assert sorted(p["i"] for p in ran) == [0, 1, 2]
+            assert calls["lease"] >= 1 and calls["finish_batches"] >= 1
+            writes = sum(n for name, n in calls.items() if name != "has_open_batches")
+            await until(lambda: calls["has_open_batches"] >= 8)
+            # Idle again: reads only.
+            assert sum(n for name, n in calls.items() if name != "has_open_batches") == writes
+        finally:
+            await dispatcher.stop()
+
+    asyncio.run(go())
+    results = list(store.iter_results("msgbatch_1"))
+    assert sorted(json.loads(r.result)["message"]["echo"] for r in results) == [0, 1, 2]

@@ -138,13 +138,21 @@ class BatchDispatcher:
         while True:
             try:
                 now = self.clock()
-                if now >= next_maintenance:
-                    await self._maintain(now)
-                    next_maintenance = now + self.config.maintenance_s
-                config = self.config
-                free = lease_room(
-                    len(self._tasks), self.engine_load(), config.queue_target, config.depth
-                )
+                # Nothing running here and no open batch anywhere: nothing to maintain or
+                # lease. One read then, not a round of store writes (on the store's thread,
+                # whose Python takes the GIL from the event loop, in a burst of requests too).
+                if not self._tasks and not await self.db(self.store.has_open_batches):
+                    await self._archive(now)
+                    next_maintenance = 0.0  # an open batch is maintained at once
+                    free = 0
+                else:
+                    if now >= next_maintenance:
+                        await self._maintain(now)
+                        next_maintenance = now + self.config.maintenance_s
+                    config = self.config
+                    free = lease_room(
+                        len(self._tasks), self.engine_load(), config.queue_target, config.depth
+                    )
                 leased: list[LeasedRequest] = []
                 if free > 0 and self.ready():
                     leased = await self.db(
@@ -185,8 +193,11 @@ class BatchDispatcher:
         ended = await self.db(store.finish_batches, now)
         if ended:
             self.on_finished(ended)
+        await self._archive(now)
+
+    async def _archive(self, now: float) -> None:
         if now - self._last_archive >= min(self.config.archive_s, self.config.retention_s / 4):
-            await self.db(store.archive_batches, now, self.config.retention_s)
+            await self.db(self.store.archive_batches, now, self.config.retention_s)
             self._last_archive = now
 
     async def _execute(self, request: LeasedRequest) -> None:
