@@ -3,6 +3,8 @@ result as plain attention over each sequence's contiguous K/V."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,7 @@ class _Batch:
         self.q = torch.randn(total, heads, head_dim, generator=gen)
         self.k_new = torch.randn(total, kv_heads, head_dim, generator=gen)
         self.v_new = torch.randn(total, kv_heads, head_dim, generator=gen)
+        self.shapes = shapes
         self.seqs: list[tuple[int, int, list[int]]] = []
         self.tables: list[list[int]] = []
         for context, n in shapes:
@@ -97,6 +100,17 @@ class _Batch:
             ids, perm = perm[:blocks], perm[blocks:]
             self.tables.append(ids)
             self.seqs.append((context - n, n, ids))
+
+    def contexts(self) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """Per sequence: its first query row, its query tokens, and its whole K and V (the
+        context after this step) read back contiguous from the cache, in the cache's type."""
+        kv_heads, head_dim = self.cache.shape[3], self.cache.shape[4]
+        row = 0
+        for (context, n), ids in zip(self.shapes, self.tables, strict=True):
+            k = self.cache[0][ids].reshape(-1, kv_heads, head_dim)[:context]
+            v = self.cache[1][ids].reshape(-1, kv_heads, head_dim)[:context]
+            yield row, n, k, v
+            row += n
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -123,21 +137,17 @@ def test_chunks_and_decodes_in_one_batch_match_contiguous_attention(
     # (context after this step, query tokens): decodes first, as the runner orders them
     shapes = [(5, 1), (3 * block_size, 1), (40, 2), (7, 7), (90, 9), (61, 16), (100, 17), (33, 33)]
     batch = _Batch(shapes, heads, kv_heads, head_dim, block_size, kv_dtype, seed=1)
-    cache, q, k_new, v_new, tables = batch.cache, batch.q, batch.k_new, batch.v_new, batch.tables
+    cache, q, k_new, v_new = batch.cache, batch.q, batch.k_new, batch.v_new
     meta = AttentionMetadata.build(batch.seqs, block_size, torch.device("cpu"), window)
     assert [p.in_kernel for p in meta.prefills] == [True, True, True, True, False, False]
     attn = PagedAttention(heads, kv_heads, head_dim, window, use_kernel=use_kernel)
     out = attn.forward(q, k_new, v_new, cache[0], cache[1], meta).view(-1, heads, head_dim)
-    expected, row = [], 0
-    for (context, n), ids in zip(shapes, tables, strict=True):
-        k = cache[0][ids].reshape(-1, kv_heads, head_dim)[:context]
-        v = cache[1][ids].reshape(-1, kv_heads, head_dim)[:context]
+    expected = []
+    for row, n, k, v in batch.contexts():
         assert k.dtype == kv_dtype
-        assert torch.equal(k[context - n :], k_new[row : row + n].to(kv_dtype))  # written
-        assert torch.equal(v[context - n :], v_new[row : row + n].to(kv_dtype))
-        k, v = k.float(), v.float()
-        expected.append(_reference_chunk(q[row : row + n], k, v, window))
-        row += n
+        assert torch.equal(k[-n:], k_new[row : row + n].to(kv_dtype))  # written
+        assert torch.equal(v[-n:], v_new[row : row + n].to(kv_dtype))
+        expected.append(_reference_chunk(q[row : row + n], k.float(), v.float(), window))
     torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)
 
 
@@ -155,7 +165,7 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     shapes = [(5, 1), (2500, 1), (1024, 1), (3000, 4), (4097, 9), (2100, 16)]
     batch = _Batch(shapes, heads, kv_heads, head_dim, block_size, kv_dtype, seed=2)
-    cache, q, k_new, v_new, tables = batch.cache, batch.q, batch.k_new, batch.v_new, batch.tables
+    cache, q, k_new, v_new = batch.cache, batch.q, batch.k_new, batch.v_new
     meta = AttentionMetadata.build(batch.seqs, block_size, torch.device("cpu"), window)
     assert all(p.in_kernel for p in meta.prefills)
     attn = PagedAttention(heads, kv_heads, head_dim, window)
@@ -168,12 +178,10 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
             outs[n_threads] = out.view(-1, heads, head_dim)
     finally:
         torch.set_num_threads(threads)
-    expected, row = [], 0
-    for (context, n), ids in zip(shapes, tables, strict=True):
-        k = cache[0][ids].reshape(-1, kv_heads, head_dim)[:context].float()
-        v = cache[1][ids].reshape(-1, kv_heads, head_dim)[:context].float()
-        expected.append(_reference_chunk(q[row : row + n], k, v, window))
-        row += n
+    expected = [
+        _reference_chunk(q[row : row + n], k.float(), v.float(), window)
+        for row, n, k, v in batch.contexts()
+    ]
     for out in outs.values():
         torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)
     assert not torch.equal(outs[1], outs[2])  # the split ran: its sums round otherwise
