@@ -6,12 +6,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # torch-free modules: type-checked strictly (the bookkeeping the simulator will reuse).
-MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/sampling_params.py \
-	tokenfleet/request.py tokenfleet/request_queue.py tokenfleet/block_pool.py \
-	tokenfleet/kv_cache.py tokenfleet/scheduler.py tokenfleet/reserve.py tokenfleet/harvest.py tokenfleet/scheduler_output.py \
-	tokenfleet/outputs.py tokenfleet/envs.py tokenfleet/models/config.py \
-	tokenfleet/detokenizer.py tokenfleet/fixed_runner.py tokenfleet/batch_client.py tokenfleet/batch/__init__.py tokenfleet/batch/schema.py \
-	tokenfleet/batch/store.py tokenfleet/step_model.py tokenfleet/step_profile.py tokenfleet/admission.py \
+MYPY_MODULES := tokenfleet/config.py tokenfleet/errors.py tokenfleet/core/sampling_params.py \
+	tokenfleet/core/request.py tokenfleet/core/request_queue.py tokenfleet/core/block_pool.py \
+	tokenfleet/core/kv_cache.py tokenfleet/core/scheduler.py tokenfleet/core/reserve.py tokenfleet/policy/harvest.py tokenfleet/core/scheduler_output.py \
+	tokenfleet/core/engine_api.py tokenfleet/envs.py tokenfleet/models/config.py \
+	tokenfleet/server/detokenizer.py tokenfleet/runner/fixed_runner.py tokenfleet/client/batch.py tokenfleet/batch/__init__.py tokenfleet/batch/schema.py \
+	tokenfleet/batch/store.py tokenfleet/policy/step_model.py tokenfleet/engine/step_profile.py tokenfleet/policy/admission.py \
 	tokenfleet/loadgen/__init__.py tokenfleet/loadgen/workload.py tokenfleet/loadgen/client.py \
 	tokenfleet/loadgen/batch_job.py tokenfleet/loadgen/report.py tokenfleet/loadgen/run.py \
 	$(wildcard tokenfleet/sim/*.py)

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from offline_throughput import run_and_write
 
-from tokenfleet.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedAttention
 from tokenfleet.kernels import paged_attention_lib
+from tokenfleet.models.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedAttention
 from tokenfleet.models.packed import best_time
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

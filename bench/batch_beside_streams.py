@@ -32,9 +32,9 @@ from offline_throughput import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams
+from tokenfleet.core.engine_api import EngineCoreRequest
+from tokenfleet.core.request import PRIORITY_INTERACTIVE
 from tokenfleet.loadgen.workload import build_workload, prompt_text
-from tokenfleet.outputs import EngineCoreRequest
-from tokenfleet.request import PRIORITY_INTERACTIVE
 
 RESULT_NAME = "batch_beside_streams"
 

@@ -28,14 +28,14 @@ from offline_throughput import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams
+from tokenfleet.core.engine_api import EngineCoreRequest
+from tokenfleet.core.request import PRIORITY_BATCH
 from tokenfleet.loadgen.workload import (
     RequestSpec,
     WorkloadConfig,
     build_workload,
     prompt_text,
 )
-from tokenfleet.outputs import EngineCoreRequest
-from tokenfleet.request import PRIORITY_BATCH
 
 RESULT_NAME = "batch_engine"
 

@@ -24,8 +24,8 @@ import torch
 from offline_throughput import run_and_write
 
 from tokenfleet import LLM, SamplingParams
+from tokenfleet.core.engine_api import EngineCoreRequest
 from tokenfleet.models.llama import LlamaForCausalLM
-from tokenfleet.outputs import EngineCoreRequest
 
 WAYS = {
     "engine": LlamaForCausalLM.vocab_logits,

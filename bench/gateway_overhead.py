@@ -70,13 +70,13 @@ from offline_throughput import cpu_busy_fraction, format_table, machine_info
 from tqdm import tqdm
 
 from tokenfleet import envs
-from tokenfleet.bundled_model import prepare_bundled_model
+from tokenfleet.checkpoint.bundled import prepare_bundled_model
+from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenfleet.core import EngineCore
-from tokenfleet.engine_client import AsyncEngineClient
-from tokenfleet.outputs import EngineCoreRequest
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.tokenizer import Tokenizer
+from tokenfleet.core.engine_api import EngineCoreRequest
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.engine.client import AsyncEngineClient
+from tokenfleet.engine.core import EngineCore
 
 RESULT_NAME = "gateway_overhead"
 SERVED_MODEL_NAME = "smollm2-135m-instruct"

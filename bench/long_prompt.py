@@ -39,11 +39,11 @@ import httpx
 from mixed_load import GreedyEndpoint, RunStart, args_json, log, tokenfleet_server, write_result
 from offline_throughput import format_table
 
+from tokenfleet.checkpoint.folder import resolve_model_folder
+from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.loadgen.client import RequestRecord, stream_request
 from tokenfleet.loadgen.report import percentile
 from tokenfleet.loadgen.workload import WORDS, RequestSpec
-from tokenfleet.model_folder import resolve_model_folder
-from tokenfleet.tokenizer import Tokenizer
 
 RESULT_NAME = "long_prompt"
 

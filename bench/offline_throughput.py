@@ -51,12 +51,13 @@ import torch
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams, envs
-from tokenfleet.bundled_model import prepare_bundled_model
+from tokenfleet.checkpoint.bundled import prepare_bundled_model
 from tokenfleet.config import CacheConfig
-from tokenfleet.model_runner import ModelRunner
+from tokenfleet.core.engine_api import EngineCoreRequest
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.models.config import ModelConfig
-from tokenfleet.outputs import EngineCoreRequest, ModelRunnerOutput
-from tokenfleet.scheduler_output import SchedulerOutput
+from tokenfleet.runner.model_runner import ModelRunner
 
 # SmolLM2's special tokens are ids 0..16; random prompts use only ordinary tokens.
 FIRST_ORDINARY_TOKEN_ID = 17

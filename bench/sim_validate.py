@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenfleet.core import EngineCore
+from tokenfleet.core.engine_api import EngineCoreRequest
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.engine.core import EngineCore
 from tokenfleet.loadgen.report import percentile
-from tokenfleet.outputs import EngineCoreRequest
-from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.sim.config import parse_config
 from tokenfleet.sim.run import simulate
 from tokenfleet.sim.trace import write_trace

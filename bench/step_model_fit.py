@@ -44,12 +44,12 @@ import numpy as np
 from offline_throughput import cpu_busy_fraction, format_table, machine_info
 
 from tokenfleet import envs
-from tokenfleet.bundled_model import prepare_bundled_model
+from tokenfleet.checkpoint.bundled import prepare_bundled_model
 from tokenfleet.config import CacheConfig, EngineConfig
-from tokenfleet.core import EngineCore
-from tokenfleet.outputs import EngineCoreRequest
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.step_model import (
+from tokenfleet.core.engine_api import EngineCoreRequest
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.engine.core import EngineCore
+from tokenfleet.policy.step_model import (
     TERMS,
     StepModelConfig,
     StepSample,

@@ -26,12 +26,12 @@ from matmul_rows import timed
 from offline_throughput import run_and_write
 
 from tokenfleet import envs, kernels
-from tokenfleet.attention import AttentionMetadata
-from tokenfleet.bundled_model import prepare_bundled_model
+from tokenfleet.checkpoint.bundled import prepare_bundled_model
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.loader import load_model
 from tokenfleet.models.rope import apply_rope, rope_cos_sin
-from tokenfleet.sampler import sample
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.runner.sampler import sample
 
 SAMPLE_ROWS = (1, 4, 16, 64)
 ELEMENTWISE_ROWS = (1, 16, 64, 512)

@@ -34,8 +34,8 @@ from offline_throughput import run_and_write
 from tqdm import tqdm
 
 from tokenfleet import envs
-from tokenfleet.attention import AttentionMetadata
-from tokenfleet.bundled_model import prepare_bundled_model
+from tokenfleet.checkpoint.bundled import prepare_bundled_model
+from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.loader import load_model
 from tokenfleet.models.rope import rope_cos_sin
 

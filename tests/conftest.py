@@ -20,6 +20,6 @@ def _private_data_dir(tmp_path_factory: pytest.TempPathFactory) -> None:
 @pytest.fixture(scope="session")
 def model_folder() -> Path:
     from tokenfleet import envs
-    from tokenfleet.bundled_model import prepare_bundled_model
+    from tokenfleet.checkpoint.bundled import prepare_bundled_model
 
     return prepare_bundled_model(envs.cache_dir() / "models", progress=False)

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tokenfleet.outputs import ModelRunnerOutput
-from tokenfleet.scheduler_output import SchedulerOutput
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.scheduler_output import SchedulerOutput
 
 # token_fn(req_id, context) -> the next token; context is every token before it.
 TokenFn = Callable[[str, Sequence[int]], int]

@@ -14,8 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from tokenfleet import admission
-from tokenfleet.admission import (
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.config import EngineConfig
+from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.policy import admission
+from tokenfleet.policy.admission import (
     AdmissionControl,
     Decodes,
     InFlightRequests,
@@ -23,15 +27,11 @@ from tokenfleet.admission import (
     predict_ttft,
     step_seconds,
 )
-from tokenfleet.config import EngineConfig
-from tokenfleet.outputs import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.policy.step_model import StepFeatures
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.service import GenerationService
 from tokenfleet.server.settings import ServeConfig
-from tokenfleet.step_model import StepFeatures
-from tokenfleet.tokenizer import Tokenizer
 
 # Powers of two, so that every sum below is exact in floating point.
 A, B, C, D, E = 2.0**-7, 2.0**-12, 2.0**-10, 2.0**-16, 2.0**-20

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenfleet.attention import AttentionMetadata, PagedAttention
 from tokenfleet.kernels import paged_attention_lib
+from tokenfleet.models.attention import AttentionMetadata, PagedAttention
 
 
 def _reference(

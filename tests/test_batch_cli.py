@@ -16,7 +16,7 @@ import httpx
 import pytest
 from live_server import MODEL, LiveServer, live_server
 
-from tokenfleet.batch_client import BatchError, anthropic_body, detect_format
+from tokenfleet.client.batch import BatchError, anthropic_body, detect_format
 
 PROMPTS = {
     "two-plus-two": "What is 2+2?",

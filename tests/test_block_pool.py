@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenfleet.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from tokenfleet.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def queue_ids(pool: BlockPool) -> list[int]:

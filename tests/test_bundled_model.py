@@ -1,4 +1,4 @@
-"""Tests for tokenfleet.bundled_model: the one-time GGUF -> Hugging Face folder conversion.
+"""Tests for tokenfleet.checkpoint.bundled: the one-time GGUF -> Hugging Face folder conversion.
 
 transformers (a test-only dependency) is the independent reference: its own GGUF loader
 dequantizes and un-permutes the same file, and its GGUF tokenizer reads the same vocabulary.
@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from tokenizers import Tokenizer, pre_tokenizers
 
-from tokenfleet import bundled_model
-from tokenfleet.bundled_model import (
+from tokenfleet.checkpoint import bundled as bundled_model
+from tokenfleet.checkpoint.bundled import (
     GGUF_FILENAME,
     MARKER,
     MODEL_DIRNAME,
@@ -577,7 +577,7 @@ def test_losing_a_race_keeps_the_winners_folder(
 def test_concurrent_processes_both_get_a_valid_folder(tmp_path: Path, model_dir: Path) -> None:
     script = (
         "import sys; from pathlib import Path;"
-        "from tokenfleet.bundled_model import prepare_bundled_model;"
+        "from tokenfleet.checkpoint.bundled import prepare_bundled_model;"
         "print(prepare_bundled_model(Path(sys.argv[1]), progress=False))"
     )
     procs = [

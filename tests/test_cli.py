@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tokenfleet import envs
-from tokenfleet.cli import build_parser
+from tokenfleet.cli.main import build_parser
 
 
 def _serve_help(env: dict[str, str]) -> str:

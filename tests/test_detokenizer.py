@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenfleet.detokenizer import (
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.server.detokenizer import (
     MAX_HELD_TOKENS,
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
     StopChecker,
 )
-from tokenfleet.tokenizer import Tokenizer
 
 BAD = "\ufffd"
 TEXTS = [

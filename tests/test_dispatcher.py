@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tokenfleet.server.dispatcher import lease_room
+from tokenfleet.fleet.leasing import lease_room
 
 
 @pytest.mark.parametrize(

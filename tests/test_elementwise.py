@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenfleet import kernels
-from tokenfleet.attention import AttentionMetadata
+from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.loader import load_model
 from tokenfleet.models.rope import apply_rope, rope_cos_sin
 

@@ -16,16 +16,11 @@ import zmq
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import CacheConfig, EngineConfig
-from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
-from tokenfleet.engine_proc import ARRIVAL_GAP_MS, BURST_GAP_MS, arrival_gap_ms
+from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreRequest
+from tokenfleet.engine.client import AsyncEngineClient, EngineDeadError
+from tokenfleet.engine.process import ARRIVAL_GAP_MS, BURST_GAP_MS, arrival_gap_ms
+from tokenfleet.engine.wire import AbortRequests, AddRequests, EngineInput
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.outputs import (
-    AbortRequests,
-    AddRequests,
-    EngineCoreOutput,
-    EngineCoreRequest,
-    EngineInput,
-)
 from tokenfleet.server.service import OnTheWay
 
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30], [1, 4093, 198, 19842, 2]]

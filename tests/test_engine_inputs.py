@@ -9,8 +9,8 @@ import pytest
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokenfleet.core.engine_api import EngineCoreRequest
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
-from tokenfleet.outputs import EngineCoreRequest
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.tokenizer import Tokenizer
+from tokenfleet.checkpoint.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -14,10 +14,17 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-import tokenfleet.core
+import tokenfleet.engine.core
 from tokenfleet.config import EngineConfig, SchedulerConfig
-from tokenfleet.core import EngineCore
-from tokenfleet.harvest import (
+from tokenfleet.core.engine_api import EngineCoreRequest, SchedulerStats
+from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.scheduler_output import SchedulerOutput
+from tokenfleet.engine.core import EngineCore
+from tokenfleet.policy.harvest import (
     REACHABLE_TOLERANCE,
     batch_chunks,
     harvest_budget,
@@ -25,20 +32,14 @@ from tokenfleet.harvest import (
     prefill_budget,
     step_time_limit,
 )
-from tokenfleet.kv_cache import KVCacheManager
-from tokenfleet.outputs import EngineCoreRequest, ModelRunnerOutput, SchedulerStats
-from tokenfleet.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.scheduler import Scheduler
-from tokenfleet.scheduler_output import SchedulerOutput
-from tokenfleet.server.metrics import Metrics
-from tokenfleet.step_model import (
+from tokenfleet.policy.step_model import (
     TERMS,
     StepFeatures,
     StepModelConfig,
     StepTimeModel,
     step_features,
 )
+from tokenfleet.server.metrics import Metrics
 
 # Coefficients in ticks of 2^-26 s, so that every prediction below is exact in floats:
 # 7.8 ms a step, 61 us a prefill token, 0.98 ms a decode, 0.95 us a KV token read, 15 ns
@@ -556,7 +557,7 @@ def test_engine_times_each_first_token_from_the_step_after_taking_the_request(
     clock = SimpleNamespace(
         monotonic=lambda: now[0], perf_counter=time.perf_counter, time=time.time
     )
-    monkeypatch.setattr(tokenfleet.core, "time", clock)
+    monkeypatch.setattr(tokenfleet.engine.core, "time", clock)
     execute = engine.runner.execute
 
     def one_second(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

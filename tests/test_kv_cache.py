@@ -12,17 +12,17 @@ from hypothesis.stateful import (
     rule,
 )
 
-import tokenfleet.kv_cache as kv_cache_module
-from tokenfleet.block_pool import KVCacheBlock
-from tokenfleet.kv_cache import (
+import tokenfleet.core.kv_cache as kv_cache_module
+from tokenfleet.core.block_pool import KVCacheBlock
+from tokenfleet.core.kv_cache import (
     ROOT_HASH,
     KVCacheManager,
     cdiv,
     compute_block_hashes,
     hash_block_tokens,
 )
-from tokenfleet.request import Request
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.core.request import Request
+from tokenfleet.core.sampling_params import SamplingParams
 
 
 def make_request(req_id: str, prompt: list[int]) -> Request:

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from live_server import MODEL, LiveServer, live_server
 
-from tokenfleet.cli import main
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.cli.main import main
 from tokenfleet.loadgen import report
 from tokenfleet.loadgen.batch_job import BatchJob, apply_result
 from tokenfleet.loadgen.client import Endpoint, RequestRecord, stream_request
@@ -30,7 +31,6 @@ from tokenfleet.loadgen.workload import (
     prompt_text,
     sample_length,
 )
-from tokenfleet.tokenizer import Tokenizer
 
 SMALL = WorkloadConfig(
     rate=2.0, duration_s=3.0, num_batch=2, prompt_len_median=100, output_len_median=20, seed=7

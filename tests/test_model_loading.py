@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-import tokenfleet.model_runner
 import tokenfleet.models.loader as loader
+import tokenfleet.runner.model_runner
 from tokenfleet import LLM
 
 
 def test_kv_blocks_come_from_a_fraction_of_free_memory(
     model_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(tokenfleet.model_runner, "free_device_memory", lambda device: 10**9)
+    monkeypatch.setattr(tokenfleet.runner.model_runner, "free_device_memory", lambda device: 10**9)
     llm = LLM(str(model_folder), kv_cache_memory_fraction=0.05)
     bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16  # K and V, 30 layers, 3 KV heads, fp32
     assert llm.engine.runner.num_blocks == 5 * 10**7 // bytes_per_block == 67

@@ -9,7 +9,7 @@ import torch
 from reference import assert_matches_transformers
 
 from tokenfleet import LLM, SamplingParams
-from tokenfleet.sampler import CDF_BLOCK, _inverse_cdf, sample
+from tokenfleet.runner.sampler import CDF_BLOCK, _inverse_cdf, sample
 
 
 @pytest.fixture(scope="module")
@@ -221,8 +221,8 @@ def test_presence_and_frequency_penalties_and_logit_bias_against_transformers(
 
 
 def test_logit_bias_outside_the_vocabulary_and_bad_penalties_are_refused(llm: LLM) -> None:
+    from tokenfleet.core.engine_api import EngineCoreRequest
     from tokenfleet.errors import InvalidRequestError
-    from tokenfleet.outputs import EngineCoreRequest
 
     params = SamplingParams(max_tokens=2, logit_bias=((49152, 1.0),))
     with pytest.raises(InvalidRequestError, match=r"token id 49152 .*\[0, 49152\)") as info:

@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tokenfleet.config import SchedulerConfig
-from tokenfleet.kv_cache import KVCacheManager, cdiv
-from tokenfleet.outputs import EngineCoreOutput
-from tokenfleet.request import Request, RequestStatus
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.scheduler import Scheduler
-from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenfleet.core.engine_api import EngineCoreOutput
+from tokenfleet.core.kv_cache import KVCacheManager, cdiv
+from tokenfleet.core.request import Request, RequestStatus
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 SP = SamplingParams()
 

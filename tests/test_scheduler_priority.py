@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from test_scheduler import check_state, plain, sr
 
 from tokenfleet.config import SchedulerConfig
-from tokenfleet.kv_cache import KVCacheManager, cdiv
-from tokenfleet.outputs import EngineCoreOutput
-from tokenfleet.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request, RequestStatus
-from tokenfleet.request_queue import PriorityRequestQueue
-from tokenfleet.reserve import InteractiveReserve
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.scheduler import Scheduler
-from tokenfleet.scheduler_output import SchedulerOutput
+from tokenfleet.core.engine_api import EngineCoreOutput
+from tokenfleet.core.kv_cache import KVCacheManager, cdiv
+from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request, RequestStatus
+from tokenfleet.core.request_queue import PriorityRequestQueue
+from tokenfleet.core.reserve import InteractiveReserve
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.scheduler_output import SchedulerOutput
 
 INTERACTIVE, BATCH = PRIORITY_INTERACTIVE, PRIORITY_BATCH
 

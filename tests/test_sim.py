@@ -12,17 +12,19 @@ from typing import Any
 
 import pytest
 
-import tokenfleet.scheduler
+import tokenfleet.core.scheduler
 import tokenfleet.sim.dispatch
-from tokenfleet.kv_cache import KVCacheManager
-from tokenfleet.loadgen.report import percentile
-from tokenfleet.server.dispatcher import lease_room
-from tokenfleet.sim.autoscaler import (
+from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.fleet.autoscaler import (
     AutoscalerConfig,
     AutoscalerState,
     FleetWindow,
     target_replicas,
 )
+from tokenfleet.fleet.leasing import lease_room
+from tokenfleet.fleet.router import Router, RouterConfig
+from tokenfleet.loadgen.report import percentile
+from tokenfleet.policy.step_model import TERMS, LinearStepCost, StepFeatures
 from tokenfleet.sim.config import ConfigError, SimConfig, parse_config
 from tokenfleet.sim.cost_model import RooflineCost, load_coefficients, profile_step_model
 from tokenfleet.sim.dispatch import BatchBacklog, JobState, room
@@ -30,7 +32,6 @@ from tokenfleet.sim.fleet import SimSettings, Simulation
 from tokenfleet.sim.hardware import deployment
 from tokenfleet.sim.metrics import Targets
 from tokenfleet.sim.report import format_table, plot, summarize, targets_met
-from tokenfleet.sim.router import Router, RouterConfig
 from tokenfleet.sim.run import cost_models, interactive_stream, job_submissions, simulate
 from tokenfleet.sim.trace import TraceError, read_trace, write_trace
 from tokenfleet.sim.workload import (
@@ -41,7 +42,6 @@ from tokenfleet.sim.workload import (
     interactive_arrivals,
     prompt_token_ids,
 )
-from tokenfleet.step_model import TERMS, LinearStepCost, StepFeatures
 
 # -- cost models ---------------------------------------------------------------------
 
@@ -172,16 +172,16 @@ def outcome(sim: Simulation) -> dict[str, Any]:
 
 def test_the_simulator_drives_the_engines_own_scheduler(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[float] = []
-    real = tokenfleet.scheduler.Scheduler.schedule
+    real = tokenfleet.core.scheduler.Scheduler.schedule
 
-    def observed(self: tokenfleet.scheduler.Scheduler, now: float, **kw: Any) -> Any:
+    def observed(self: tokenfleet.core.scheduler.Scheduler, now: float, **kw: Any) -> Any:
         calls.append(now)
         return real(self, now, **kw)
 
-    monkeypatch.setattr(tokenfleet.scheduler.Scheduler, "schedule", observed)
+    monkeypatch.setattr(tokenfleet.core.scheduler.Scheduler, "schedule", observed)
     sim = run_small(small_config(duration_s=10.0), leap=False)
     replicas = [r for pool in sim.pools for r in pool.replicas.values()]
-    assert [type(r.scheduler) for r in replicas] == [tokenfleet.scheduler.Scheduler] * 2
+    assert [type(r.scheduler) for r in replicas] == [tokenfleet.core.scheduler.Scheduler] * 2
     assert [type(r.kv) for r in replicas] == [KVCacheManager] * 2
     # Every step the simulator took was planned by that method (stepping, no leaps).
     assert len(calls) == sum(r.scheduler.num_steps for r in replicas) > 100

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
-from tokenfleet.block_pool import BlockPool
 from tokenfleet.config import CacheConfig, EngineConfig
-from tokenfleet.core import EngineCore
-from tokenfleet.outputs import EngineCoreRequest, SchedulerStats
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
-from tokenfleet.server.metrics import Metrics
-from tokenfleet.step_model import (
+from tokenfleet.core.block_pool import BlockPool
+from tokenfleet.core.engine_api import EngineCoreRequest, SchedulerStats
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.step_profile import ProfileStep, profile_plan, run_profile
+from tokenfleet.policy.step_model import (
     TERMS,
     StepFeatures,
     StepModelConfig,
@@ -27,7 +27,7 @@ from tokenfleet.step_model import (
     nnls,
     step_features,
 )
-from tokenfleet.step_profile import ProfileStep, profile_plan, run_profile
+from tokenfleet.server.metrics import Metrics
 
 # Seconds: per step, per prefill token, per decode, per KV token read, per query x context.
 TRUE = np.array([0.04, 2e-3, 3e-3, 5e-6, 6e-7])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenfleet.llm import LLM, RequestOutput

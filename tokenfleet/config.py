@@ -4,14 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from tokenfleet.reserve import check_reserve_settings
-
 _DTYPES = ("float32", "bfloat16", "float16")
 _ATTENTION_BACKENDS = ("auto", "torch")
 _LINEAR_BACKENDS = ("auto", "torch", "onednn")
 
 
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+
+
+def check_reserve_settings(
+    *, window_s: float, margin: float, min_blocks: int, max_fraction: float, prefix: str = ""
+) -> None:
+    """Raise ValueError naming the first bad setting (`prefix` + its name)."""
+    if window_s <= 0:
+        raise ValueError(f"{prefix}window_s must be positive, got {window_s}")
+    if margin < 0:
+        raise ValueError(f"{prefix}margin must be at least 0, got {margin}")
+    if min_blocks < 0:
+        raise ValueError(f"{prefix}min_blocks must be at least 0, got {min_blocks}")
+    if not 0 <= max_fraction < 1:
+        raise ValueError(f"{prefix}max_fraction must be in [0, 1), got {max_fraction}")
 
 
 @dataclass(frozen=True)

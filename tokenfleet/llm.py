@@ -9,11 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokenfleet.core import EngineCore
-from tokenfleet.outputs import EngineCoreRequest, TokenLogprobs
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.tokenizer import Tokenizer
+from tokenfleet.core.engine_api import EngineCoreRequest, TokenLogprobs
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.engine.core import EngineCore
 
 # LLM(**kwargs) fills CacheConfig and SchedulerConfig from their own field names, except
 # those EngineConfig has too (max_model_len: the engine's, which it passes down).

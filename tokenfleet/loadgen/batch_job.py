@@ -1,5 +1,5 @@
 """The batch class through the endpoint's own Batch API (`--batch-mode api`), over
-tokenfleet.batch_client on worker threads:
+tokenfleet.client.batch on worker threads:
 
     batch_input.jsonl ─► submit (OpenAI: /v1/files, then /v1/batches; Anthropic:
     /v1/messages/batches) ─► poll once a second (requests done) ─► ended ─►
@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import httpx
 
-from tokenfleet.batch_client import BatchClient, BatchError
+from tokenfleet.client.batch import BatchClient, BatchError
 from tokenfleet.loadgen.client import REFUSAL_STATUSES, Endpoint, RequestRecord
 from tokenfleet.loadgen.workload import RequestSpec
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfleet import kernels
-from tokenfleet.attention import AttentionMetadata, PagedAttention
 from tokenfleet.models import packed
+from tokenfleet.models.attention import AttentionMetadata, PagedAttention
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.rope import apply_rope
 

@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.body import read_body
 from tokenfleet.server.errors import APIError, anthropic_error_body
 from tokenfleet.server.ids import random_hex

@@ -20,8 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
 from tokenfleet.batch.store import BatchStore
-from tokenfleet.engine_client import AsyncEngineClient
-from tokenfleet.model_folder import resolve_model_folder
+from tokenfleet.checkpoint.folder import resolve_model_folder
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.engine.client import AsyncEngineClient
 from tokenfleet.server import (
     anthropic_api,
     anthropic_batches,
@@ -38,7 +39,6 @@ from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.openai_result_files import ResultFiles
 from tokenfleet.server.service import GenerationService
 from tokenfleet.server.settings import BatchConfig, ServeConfig
-from tokenfleet.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

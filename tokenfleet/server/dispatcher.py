@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from tokenfleet.batch.schema import LeasedRequest, Outcome
 from tokenfleet.batch.store import BatchStore
+from tokenfleet.fleet.leasing import lease_room
 from tokenfleet.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -286,17 +287,6 @@ class BatchDispatcher:
         for _, done in batch:
             if not done.done():
                 done.set_result(True)
-
-
-def lease_room(
-    in_flight: int, engine_load: tuple[int, int] | None, queue_target: int, depth: int
-) -> int:
-    """How many more batch requests to lease now: enough to keep about `queue_target` of
-    them waiting in the engine beyond those it runs (so it never starves between two looks),
-    and no more, so that a cancel or an interactive burst finds little to undo. Before the
-    engine has reported its load, `queue_target` in all; never over `depth` in flight."""
-    running = engine_load[0] if engine_load is not None else 0
-    return max(0, min(depth, running + queue_target) - in_flight)
 
 
 class ResultFormats:

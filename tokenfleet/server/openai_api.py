@@ -15,8 +15,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.sampling_params import SamplingParams
 from tokenfleet.server.body import read_body
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
@@ -27,7 +28,6 @@ from tokenfleet.server.service import (
     cancel_on_disconnect,
 )
 from tokenfleet.server.unsupported import text_blocks
-from tokenfleet.tokenizer import Tokenizer
 
 R = TypeVar("R", bound="CommonRequest")
 

@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenfleet.outputs import TokenLogprobs
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.core.engine_api import TokenLogprobs
 from tokenfleet.server.errors import APIError, openai_error_body
 from tokenfleet.server.openai_api import (
     FINISH_REASONS,
@@ -22,7 +23,6 @@ from tokenfleet.server.openai_api import (
 from tokenfleet.server.service import GenerationService, TextDelta
 from tokenfleet.server.sse import EventStream, prime, sse_event
 from tokenfleet.server.unsupported import OPENAI_COMPLETION, refuse_unsupported
-from tokenfleet.tokenizer import Tokenizer
 
 router = APIRouter()
 

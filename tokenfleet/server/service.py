@@ -14,18 +14,19 @@ from typing import Any, TypeVar
 from fastapi import Request
 from prometheus_client import Histogram
 
-from tokenfleet.admission import AdmissionControl, FirstToken, StepLimit, Verdict
-from tokenfleet.detokenizer import IncrementalDetokenizer, StopChecker
-from tokenfleet.engine_client import AsyncEngineClient, EngineDeadError
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.core.engine_api import EngineCoreRequest, TokenLogprobs
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.engine.client import AsyncEngineClient, EngineDeadError
+from tokenfleet.engine.wire import EngineReady
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.harvest import step_time_limit
-from tokenfleet.outputs import EngineCoreRequest, EngineReady, TokenLogprobs
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.policy.admission import AdmissionControl, FirstToken, StepLimit, Verdict
+from tokenfleet.policy.harvest import step_time_limit
+from tokenfleet.server.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.settings import ServeConfig
-from tokenfleet.tokenizer import Tokenizer
 
 T = TypeVar("T")
 

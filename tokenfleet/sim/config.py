@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tokenfleet.config import SchedulerConfig
-from tokenfleet.sim.autoscaler import AutoscalerConfig
+from tokenfleet.fleet.autoscaler import AutoscalerConfig
+from tokenfleet.fleet.router import RouterConfig
 from tokenfleet.sim.hardware import ACCELERATORS, Deployment, deployment
 from tokenfleet.sim.metrics import Targets
 from tokenfleet.sim.pool import FleetPolicy, fleet_policy
 from tokenfleet.sim.replica import ReplicaConfig
-from tokenfleet.sim.router import RouterConfig
 from tokenfleet.sim.workload import BatchJob, InteractiveWorkload, Lengths, SharedPrompts
 
 T = TypeVar("T")

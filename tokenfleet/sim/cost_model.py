@@ -24,15 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.harvest import StepCost
-from tokenfleet.sim.hardware import Deployment
-from tokenfleet.step_model import (
+from tokenfleet.policy.harvest import StepCost
+from tokenfleet.policy.step_model import (
     LinearStepCost,
     StepFeatures,
     StepModelConfig,
     StepSample,
     StepTimeModel,
 )
+from tokenfleet.sim.hardware import Deployment
 
 
 @dataclass(frozen=True)

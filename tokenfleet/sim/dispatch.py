@@ -2,10 +2,10 @@
 
 The backlog hands out requests earliest deadline first (a job's requests in order, each
 made only when leased, so a 100,000-request job costs nothing until it runs). How many a
-replica gets is the batch dispatcher's own rule, `lease_room` from the server's
-dispatcher, imported: enough to keep `queue_target` batch requests waiting in the engine
-beyond those it runs, never over `depth` in flight. Leases happen when a job arrives and
-when a replica ends a step, as the dispatcher looks again whenever a slot may have freed.
+replica gets is the gateway's own rule, `lease_room` from fleet/leasing.py: enough to keep
+`queue_target` batch requests waiting in the engine beyond those it runs, never over
+`depth` in flight. Leases happen when a job arrives and when a replica ends a step, as the
+dispatcher looks again whenever a slot may have freed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from tokenfleet.server.dispatcher import lease_room
+from tokenfleet.fleet.leasing import lease_room
 from tokenfleet.sim.workload import Arrival
 
 

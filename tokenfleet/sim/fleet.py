@@ -24,15 +24,15 @@ from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Any
 
-from tokenfleet.harvest import StepCost
-from tokenfleet.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.sim.autoscaler import FleetWindow, target_replicas
+from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.fleet.autoscaler import FleetWindow, target_replicas
+from tokenfleet.fleet.router import Router, RouterConfig
+from tokenfleet.policy.harvest import StepCost
 from tokenfleet.sim.dispatch import BatchBacklog, JobState, room
 from tokenfleet.sim.metrics import InFlight, Metrics, Sample, Targets
 from tokenfleet.sim.pool import FleetPolicy, Pool
 from tokenfleet.sim.replica import ReplicaConfig, SimReplica, StepOutputs
-from tokenfleet.sim.router import Router, RouterConfig
 from tokenfleet.sim.workload import BATCH, INTERACTIVE, Arrival, prompt_token_ids
 
 STEP_END, ARRIVAL, JOB, REPLICA_UP, TICK, SAMPLE = range(6)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenfleet.sim.autoscaler import AutoscalerConfig, AutoscalerState
+from tokenfleet.fleet.autoscaler import AutoscalerConfig, AutoscalerState
 from tokenfleet.sim.replica import SimReplica
 
 FLEET_POLICIES = ("separate", "fcfs", "priority")

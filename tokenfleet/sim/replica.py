@@ -32,14 +32,15 @@ from itertools import repeat
 import numpy as np
 
 from tokenfleet.config import SchedulerConfig
-from tokenfleet.harvest import PriorityBudgets, StepCost, batch_chunks
-from tokenfleet.kv_cache import KVCacheManager
-from tokenfleet.outputs import EngineCoreOutput, ModelRunnerOutput
-from tokenfleet.request import PRIORITY_INTERACTIVE, Request
-from tokenfleet.scheduler import Scheduler
-from tokenfleet.scheduler_output import SchedulerOutput
+from tokenfleet.core.engine_api import EngineCoreOutput
+from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.core.request import PRIORITY_INTERACTIVE, Request
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.scheduler_output import SchedulerOutput
+from tokenfleet.policy.harvest import PriorityBudgets, StepCost, batch_chunks
+from tokenfleet.policy.step_model import StepFeatures, step_features
 from tokenfleet.sim.budget import batch_decodes_fit
-from tokenfleet.step_model import StepFeatures, step_features
 
 # Every sampled token: prompts never contain it, and no request stops on it.
 OUTPUT_TOKEN = 1

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
 
-from tokenfleet.harvest import StepCost
+from tokenfleet.policy.harvest import StepCost
+from tokenfleet.policy.step_model import LinearStepCost
 from tokenfleet.sim.config import SimConfig
 from tokenfleet.sim.cost_model import RooflineCost, load_coefficients, profile_step_model
 from tokenfleet.sim.dispatch import JobState
@@ -22,7 +23,6 @@ from tokenfleet.sim.metrics import Metrics
 from tokenfleet.sim.pool import FleetPolicy
 from tokenfleet.sim.trace import read_trace
 from tokenfleet.sim.workload import INTERACTIVE, Arrival, batch_requests, interactive_arrivals
-from tokenfleet.step_model import LinearStepCost
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from tokenfleet.scheduler_output import SchedulerOutput
+from tokenfleet.core.scheduler_output import SchedulerOutput
 
 Array = npt.NDArray[np.float64]
 

@@ -11,7 +11,7 @@ from tokenfleet.errors import ModelLoadError
 def resolve_model_folder(model: str | None) -> Path:
     """A Hugging Face folder; None means the bundled model, converted on first use."""
     if model is None:
-        from tokenfleet.bundled_model import prepare_bundled_model
+        from tokenfleet.checkpoint.bundled import prepare_bundled_model
 
         return prepare_bundled_model(envs.cache_dir() / "models")
     folder = Path(model).expanduser()

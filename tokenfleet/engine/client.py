@@ -23,19 +23,17 @@ import zmq
 import zmq.asyncio
 
 from tokenfleet.config import EngineConfig
-from tokenfleet.errors import InvalidRequestError, TokenfleetError
-from tokenfleet.outputs import (
+from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenfleet.engine.wire import (
     AbortRequests,
     AddRequests,
-    EngineCoreOutput,
-    EngineCoreRequest,
     EngineMessage,
     EngineReady,
     RequestRejected,
-    SchedulerStats,
     Shutdown,
     StepOutputs,
 )
+from tokenfleet.errors import InvalidRequestError, TokenfleetError
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +145,7 @@ class AsyncEngineClient:
         self._ready.clear()
         self._generation += 1
         config_json = msgspec.json.encode(self.config).decode()
-        argv = [sys.executable, "-m", "tokenfleet.engine_proc"]
+        argv = [sys.executable, "-m", "tokenfleet.engine.process"]
         argv += [f"ipc://{self._dir}/in", f"ipc://{self._dir}/out", config_json]
         self._proc = subprocess.Popen(argv, env=os.environ.copy())
         logger.info("engine process %d started", self._proc.pid)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 
-from tokenfleet.request import Request
+from tokenfleet.core.request import Request
 
 
 class PriorityRequestQueue:

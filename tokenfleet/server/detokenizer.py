@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenfleet.tokenizer import Tokenizer
+from tokenfleet.checkpoint.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # Trailing prompt tokens decoded as context of the output, so that a decoder which drops the

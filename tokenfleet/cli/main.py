@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from tokenfleet import envs
+from tokenfleet.cli.sim import add_sim_command
 from tokenfleet.config import KV_CACHE_DTYPES
-from tokenfleet.sim.cli import add_sim_command
 
 
 def _env_help() -> str:
@@ -22,7 +22,7 @@ def _env_help() -> str:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from tokenfleet.bundled_model import prepare_bundled_model
+    from tokenfleet.checkpoint.bundled import prepare_bundled_model
 
     cache = args.cache_dir or envs.cache_dir() / "models"
     folder = prepare_bundled_model(cache, progress=not args.quiet, force=args.force)
@@ -252,7 +252,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _batch(args: argparse.Namespace) -> int:
-    from tokenfleet import batch_client
+    from tokenfleet.client import batch as batch_client
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll otherwise
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.core.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

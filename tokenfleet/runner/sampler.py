@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenfleet.outputs import TokenLogprobs
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.core.engine_api import TokenLogprobs
+from tokenfleet.core.sampling_params import SamplingParams
 
 
 def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

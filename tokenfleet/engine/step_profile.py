@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenfleet.block_pool import BlockPool
-from tokenfleet.sampling_params import SamplingParams
-from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
-from tokenfleet.step_model import TERMS, StepSample, fit_coefficients, step_features
+from tokenfleet.core.block_pool import BlockPool
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenfleet.policy.step_model import TERMS, StepSample, fit_coefficients, step_features
 
 # One synthetic step: (num_tokens, start_pos) per request.
 ProfileStep = list[tuple[int, int]]

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import torch
 
-from tokenfleet.attention import AttentionMetadata
 from tokenfleet.config import CacheConfig
+from tokenfleet.core.engine_api import TokenLogprobs
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenfleet.kernels import paged_attention_lib
+from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.loader import DTYPES, load_model
 from tokenfleet.models.rope import rope_cos_sin
-from tokenfleet.outputs import ModelRunnerOutput, TokenLogprobs
-from tokenfleet.sampler import compute_logprobs, sample
-from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenfleet.runner.sampler import compute_logprobs, sample
 
 logger = logging.getLogger(__name__)
 

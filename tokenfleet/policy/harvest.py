@@ -38,10 +38,10 @@ from collections.abc import Iterable, Iterator
 from itertools import islice, takewhile
 from typing import Protocol
 
-from tokenfleet.request import Request
-from tokenfleet.scheduler import Scheduler
-from tokenfleet.scheduler_output import SchedulerOutput
-from tokenfleet.step_model import StepFeatures
+from tokenfleet.core.request import Request
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.scheduler_output import SchedulerOutput
+from tokenfleet.policy.step_model import StepFeatures
 
 
 class StepCost(Protocol):

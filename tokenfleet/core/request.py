@@ -8,10 +8,10 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenfleet.outputs import TokenLogprobs
+    from tokenfleet.core.engine_api import TokenLogprobs
 
 # Priority classes: lower is more urgent. The gateway sends interactive traffic as 0 and
 # batch work as 1; the scheduler treats every class above PRIORITY_INTERACTIVE as batch.

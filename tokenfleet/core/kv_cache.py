@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenfleet.block_pool import BlockPool, KVCacheBlock
-from tokenfleet.request import Request
+from tokenfleet.core.block_pool import BlockPool, KVCacheBlock
+from tokenfleet.core.request import Request
 
 # Parent of the first block. An int, not None: hash(None) differs between processes
 # before Python 3.12, and the router must compute the same hashes as the engine.

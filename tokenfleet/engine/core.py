@@ -20,25 +20,25 @@ from dataclasses import replace
 import torch
 
 from tokenfleet import envs
+from tokenfleet.checkpoint.folder import resolve_model_folder
+from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.config import EngineConfig
-from tokenfleet.errors import ContextLengthError, InvalidRequestError
-from tokenfleet.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
-from tokenfleet.harvest import PriorityBudgets
-from tokenfleet.kv_cache import KVCacheManager
-from tokenfleet.model_folder import resolve_model_folder
-from tokenfleet.model_runner import ModelRunner
-from tokenfleet.models.config import ModelConfig
-from tokenfleet.outputs import (
+from tokenfleet.core.engine_api import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
 )
-from tokenfleet.request import PRIORITY_INTERACTIVE, Request
-from tokenfleet.scheduler import Scheduler
-from tokenfleet.step_model import StepModelConfig, StepTimeModel, step_features
-from tokenfleet.step_profile import profile_step_time
-from tokenfleet.tokenizer import Tokenizer
+from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.core.request import PRIORITY_INTERACTIVE, Request
+from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.engine.step_profile import profile_step_time
+from tokenfleet.errors import ContextLengthError, InvalidRequestError
+from tokenfleet.models.config import ModelConfig
+from tokenfleet.policy.harvest import PriorityBudgets
+from tokenfleet.policy.step_model import StepModelConfig, StepTimeModel, step_features
+from tokenfleet.runner.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
+from tokenfleet.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

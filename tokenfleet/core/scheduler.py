@@ -33,14 +33,15 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tokenfleet.block_pool import KVCacheBlock
 from tokenfleet.config import SchedulerConfig
-from tokenfleet.kv_cache import KVCacheManager
-from tokenfleet.outputs import EngineCoreOutput, ModelRunnerOutput
-from tokenfleet.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request, RequestStatus
-from tokenfleet.request_queue import PriorityRequestQueue
-from tokenfleet.reserve import InteractiveReserve
-from tokenfleet.scheduler_output import ScheduledRequest, SchedulerOutput
+from tokenfleet.core.block_pool import KVCacheBlock
+from tokenfleet.core.engine_api import EngineCoreOutput
+from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request, RequestStatus
+from tokenfleet.core.request_queue import PriorityRequestQueue
+from tokenfleet.core.reserve import InteractiveReserve
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tokenfleet.kv_cache import compute_block_hashes
+from tokenfleet.core.kv_cache import compute_block_hashes
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
                                                          (an empty one every heartbeat when idle)
 
 Inputs are drained between steps, never during one. Run as
-`python -m tokenfleet.engine_proc IN_ADDR OUT_ADDR CONFIG_JSON`.
+`python -m tokenfleet.engine.process IN_ADDR OUT_ADDR CONFIG_JSON`.
 """
 
 from __future__ import annotations
@@ -22,18 +22,18 @@ import msgspec
 import zmq
 
 from tokenfleet.config import EngineConfig
-from tokenfleet.core import EngineCore
-from tokenfleet.errors import InvalidRequestError
-from tokenfleet.outputs import (
+from tokenfleet.core.engine_api import EngineCoreOutputs
+from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.wire import (
     AbortRequests,
     AddRequests,
-    EngineCoreOutputs,
     EngineInput,
     EngineReady,
     RequestRejected,
     Shutdown,
     StepOutputs,
 )
+from tokenfleet.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,15 @@
-"""Plain messages that cross the engine-core boundary (msgspec, so they go over ZMQ as is).
+"""The engine's API: a request in (EngineCoreRequest), a step's progress out (EngineCoreOutputs).
 
-The scheduler's Request is state; these are what callers send and receive.
+Plain msgspec structs, so the wire codec (engine/wire.py) sends them as they are. The
+scheduler's Request is state; these are what callers send and receive. They live in core/
+because the scheduler itself makes the outputs.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from tokenfleet.sampling_params import SamplingParams
+from tokenfleet.core.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
@@ -84,69 +86,3 @@ class EngineCoreOutputs(msgspec.Struct):
     outputs: list[EngineCoreOutput]
     timestamp: float
     stats: SchedulerStats | None = None
-
-
-class ModelRunnerOutput(msgspec.Struct):
-    """The runner's answer to one SchedulerOutput: one sampled token per sampling request."""
-
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] = {}
-    # req_id -> (position of the first prompt token scored, the entries from there on)
-    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
-
-
-# -- the engine process's wire protocol (ZMQ, msgpack) -----------------------------------
-
-
-class AddRequests(msgspec.Struct, tag="add"):
-    # What the sender submitted in one turn of its event loop, in order: a burst's requests
-    # travel together, one message and one wake-up of each side's I/O for all of them.
-    requests: list[EngineCoreRequest]
-    # How many more requests the sender has taken in and not sent yet (HTTP requests the
-    # gateway is still parsing), counted as it submitted the last of these: an idle engine
-    # waits for them before its first step. None: the sender cannot tell, so the engine
-    # guesses from the gaps between arrivals.
-    on_the_way: int | None = None
-    # The sender counted on_the_way after its event loop had polled its sockets again since
-    # the last of these was submitted (AsyncEngineClient._end_turn): what had reached it by
-    # then is counted, so an idle engine told 0 after a burst starts at once. A checked
-    # message may carry no request: it only says how many are still on their way.
-    checked: bool = False
-
-
-class AbortRequests(msgspec.Struct, tag="abort"):
-    req_ids: list[str]
-
-
-class Shutdown(msgspec.Struct, tag="shutdown"):
-    pass
-
-
-EngineInput = AddRequests | AbortRequests | Shutdown
-
-
-class EngineReady(msgspec.Struct, tag="ready"):
-    """Sent once the model is loaded: what the gateway needs to validate requests."""
-
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    vocab_size: int
-    eos_token_ids: list[int]
-
-
-class RequestRejected(msgspec.Struct, tag="rejected"):
-    """The engine refused a request (the gateway validates first, so this is rare)."""
-
-    req_id: str
-    message: str
-    param: str | None = None
-
-
-class StepOutputs(msgspec.Struct, tag="step"):
-    """One engine step's outputs, or a heartbeat (no outputs) while the engine is idle."""
-
-    outputs: EngineCoreOutputs
-
-
-EngineMessage = EngineReady | RequestRejected | StepOutputs

@@ -25,8 +25,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenfleet.harvest import pack, target_reachable, with_floor
-from tokenfleet.step_model import TERMS, LinearStepCost, StepFeatures
+from tokenfleet.policy.harvest import pack, target_reachable, with_floor
+from tokenfleet.policy.step_model import TERMS, LinearStepCost, StepFeatures
 
 # predict_ttft replays this many steps one by one, then at most as many strides of several
 # alike steps (a few ms of the gateway's event loop, where every stream's events wait; at

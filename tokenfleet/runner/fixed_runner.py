@@ -8,9 +8,9 @@ scheduler, KV manager, engine process, gateway and batch store all run for real.
 
 from __future__ import annotations
 
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.models.config import ModelConfig
-from tokenfleet.outputs import ModelRunnerOutput
-from tokenfleet.scheduler_output import SchedulerOutput
 
 FIXED_NUM_BLOCKS = 4096
 

@@ -13,19 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-
-def check_reserve_settings(
-    *, window_s: float, margin: float, min_blocks: int, max_fraction: float, prefix: str = ""
-) -> None:
-    """Raise ValueError naming the first bad setting (`prefix` + its name)."""
-    if window_s <= 0:
-        raise ValueError(f"{prefix}window_s must be positive, got {window_s}")
-    if margin < 0:
-        raise ValueError(f"{prefix}margin must be at least 0, got {margin}")
-    if min_blocks < 0:
-        raise ValueError(f"{prefix}min_blocks must be at least 0, got {min_blocks}")
-    if not 0 <= max_fraction < 1:
-        raise ValueError(f"{prefix}max_fraction must be in [0, 1), got {max_fraction}")
+from tokenfleet.config import check_reserve_settings
 
 
 class InteractiveReserve:
