@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# A real PostgreSQL for the batch store's tests (postgres_url), where one is given.
+pytest_plugins = ("support.postgres",)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

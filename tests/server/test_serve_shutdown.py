@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import free_port
+from support.live_server import free_port
 
 pytestmark = pytest.mark.slow
 

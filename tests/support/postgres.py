@@ -22,7 +22,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from tokenfleet.batch.store import engine_url
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "postgres-for-tests"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "postgres-for-tests"
 URL_VARIABLE = "TOKENFLEET_TEST_POSTGRES_URL"
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from live_server import MODEL, LiveServer, free_port, live_server
+from support.live_server import MODEL, LiveServer, free_port, live_server
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.models.config import ModelConfig

@@ -17,7 +17,7 @@ from typing import Any
 
 import anthropic
 import pytest
-from live_server import MODEL, LiveServer, free_port
+from support.live_server import MODEL, LiveServer, free_port
 
 pytestmark = pytest.mark.slow
 

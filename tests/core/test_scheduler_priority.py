@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from fake_runner import FakeModelRunner, reference_generate
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.fake_runner import FakeModelRunner, reference_generate
 from test_scheduler import check_state, plain, sr
 
 from tokenfleet.config import SchedulerConfig

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from live_server import MODEL, LiveServer, live_server
+from support.live_server import MODEL, LiveServer, live_server
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.cli.main import main

@@ -15,7 +15,7 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from live_server import MODEL, LiveServer, live_server
+from support.live_server import MODEL, LiveServer, live_server
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from reference import assert_matches_transformers
+from support.reference import assert_matches_transformers
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import EngineConfig

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from live_server import MODEL, LiveServer, live_server
+from support.live_server import MODEL, LiveServer, live_server
 
 from tokenfleet.batch.schema import BatchRow, NewBatch, NewRequest
 from tokenfleet.batch.store import BatchStore

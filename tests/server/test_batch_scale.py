@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import MODEL, live_server
+from support.live_server import MODEL, live_server
 
 pytestmark = pytest.mark.slow
 

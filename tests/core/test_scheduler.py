@@ -1,4 +1,4 @@
-"""Scheduler, driven step by step by the FakeModelRunner (tests/fake_runner.py)."""
+"""Scheduler, driven step by step by the FakeModelRunner (tests/support/fake_runner.py)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
-from fake_runner import FakeModelRunner, TokenFn, fake_next_token, reference_generate
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.fake_runner import FakeModelRunner, TokenFn, fake_next_token, reference_generate
 
 from tokenfleet.config import SchedulerConfig
 from tokenfleet.core.engine_api import EngineCoreOutput

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from live_server import MODEL, LiveServer, live_server
+from support.live_server import MODEL, LiveServer, live_server
 
 from tokenfleet.client.batch import BatchError, anthropic_body, detect_format
 

@@ -30,8 +30,6 @@ from tokenfleet.batch import (
 from tokenfleet.batch.schema import batch_requests, schema_version
 from tokenfleet.errors import InvalidRequestError
 
-pytest_plugins = ("postgres",)
-
 T0 = 1_750_000_000.0
 DAY = 24 * 3600.0
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import assert_matches_transformers
+from support.reference import assert_matches_transformers
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.runner.sampler import CDF_BLOCK, _inverse_cdf, sample

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from live_server import MODEL, LiveServer, live_server
 from prometheus_client.parser import text_string_to_metric_families
+from support.live_server import MODEL, LiveServer, live_server
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.llm import RequestOutput

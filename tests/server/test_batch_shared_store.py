@@ -11,13 +11,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_server import MODEL, LiveServer, live_server
 from sqlalchemy import create_engine, text
+from support.live_server import MODEL, LiveServer, live_server
 
 from tokenfleet.batch.store import engine_url
 
 pytestmark = pytest.mark.slow
-pytest_plugins = ("postgres",)
 
 NUM_REQUESTS = 3000
 
