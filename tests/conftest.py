@@ -26,3 +26,19 @@ def model_folder() -> Path:
     from tokenfleet.checkpoint.bundled import prepare_bundled_model
 
     return prepare_bundled_model(envs.cache_dir() / "models", progress=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """One line that says how much of the run used stand-ins and how much was skipped."""
+    reports = [
+        r
+        for key in ("passed", "failed", "skipped", "error")
+        for r in terminalreporter.stats.get(key, [])
+        if getattr(r, "when", "call") in ("call", "setup")
+    ]
+    fakes = {r.nodeid for r in reports if "fake" in r.keywords}
+    skipped = {r.nodeid for r in terminalreporter.stats.get("skipped", [])}
+    terminalreporter.write_line(
+        f"tokenfleet: {len(fakes)} tests use a named stand-in (marker `fake`), "
+        f"{len(skipped)} skipped"
+    )
