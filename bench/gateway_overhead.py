@@ -323,11 +323,11 @@ def core_wave(
 async def client_wave(
     client: AsyncEngineClient, prompts: list[list[int]], params: SamplingParams
 ) -> list[RequestTiming]:
-    async def one(prompt: list[int], on_the_way: int) -> RequestTiming:
+    async def one(prompt: list[int], num_pending: int) -> RequestTiming:
         timing = RequestTiming(time.perf_counter())
         request = EngineCoreRequest(uuid.uuid4().hex, prompt, params, time.monotonic())
         # As the gateway does: each request says how many of the wave are still to come.
-        async with contextlib.aclosing(await client.submit(request, on_the_way)) as outputs:
+        async with contextlib.aclosing(await client.submit(request, num_pending)) as outputs:
             async for out in outputs:
                 if out.new_token_ids:
                     timing.token_times.append(time.perf_counter())

@@ -21,7 +21,7 @@ from tokenfleet.engine.client import AsyncEngineClient, EngineDeadError
 from tokenfleet.engine.process import ARRIVAL_GAP_MS, BURST_GAP_MS, arrival_gap_ms
 from tokenfleet.engine.wire import AbortRequests, AddRequests, EngineInput
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.server.service import OnTheWay
+from tokenfleet.server.service import PendingRequests
 
 PROMPTS = [[1, 9690, 198, 2683, 314, 253, 5356, 30], [1, 4093, 198, 19842, 2]]
 
@@ -145,7 +145,7 @@ def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> Non
 
 
 @pytest.mark.parametrize(
-    ("arrivals", "on_the_way", "window_left_ms", "announced", "checked", "gap_ms"),
+    ("arrivals", "num_pending", "window_left_ms", "announced", "counted_after_poll", "gap_ms"),
     [
         (1, None, 50.0, False, False, ARRIVAL_GAP_MS),  # a lone request, the sender cannot tell
         (2, None, 50.0, False, False, BURST_GAP_MS),  # a burst under way: a pause may split it
@@ -163,30 +163,33 @@ def test_killed_engine_fails_streams_and_is_restarted(model_folder: Path) -> Non
 )
 def test_an_idle_engine_waits_for_what_the_sender_says_is_on_its_way(
     arrivals: int,
-    on_the_way: int | None,
+    num_pending: int | None,
     window_left_ms: float,
     announced: bool,
-    checked: bool,
+    counted_after_poll: bool,
     gap_ms: int,
 ) -> None:
-    assert arrival_gap_ms(arrivals, on_the_way, window_left_ms, announced, checked) == gap_ms
+    assert (
+        arrival_gap_ms(arrivals, num_pending, window_left_ms, announced, counted_after_poll)
+        == gap_ms
+    )
 
 
 def test_a_request_on_its_way_joins_the_first_step(model_folder: Path) -> None:
-    """An idle engine told that another request is on its way (AddRequests.on_the_way)
+    """An idle engine told that another request is on its way (AddRequests.num_pending)
     waits for it within its arrival window (here 100 ms: the last step was a long prefill)
     and starts one step with both; told that none is, it waits ARRIVAL_GAP_MS and a request
     50 ms later gets a step of its own. Outputs of one step share their `arrived`."""
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
-    async def same_first_step(client: AsyncEngineClient, on_the_way: int) -> bool:
-        await _collect(client, f"long-{on_the_way}", [100] * 400, 1)  # a step of 100s of ms
+    async def same_first_step(client: AsyncEngineClient, num_pending: int) -> bool:
+        await _collect(client, f"long-{num_pending}", [100] * 400, 1)  # a step of 100s of ms
         first = await client.submit(
-            EngineCoreRequest(f"a{on_the_way}", PROMPTS[0], params, 0.0), on_the_way
+            EngineCoreRequest(f"a{num_pending}", PROMPTS[0], params, 0.0), num_pending
         )
         await asyncio.sleep(0.05)
         second = await client.submit(
-            EngineCoreRequest(f"b{on_the_way}", PROMPTS[1], params, 0.0), 0
+            EngineCoreRequest(f"b{num_pending}", PROMPTS[1], params, 0.0), 0
         )
         async with contextlib.aclosing(first), contextlib.aclosing(second):
             await anext(first)
@@ -195,16 +198,16 @@ def test_a_request_on_its_way_joins_the_first_step(model_folder: Path) -> None:
 
     async def main() -> None:
         async with _running(model_folder) as client:
-            assert await same_first_step(client, on_the_way=1)
-            assert not await same_first_step(client, on_the_way=0)
+            assert await same_first_step(client, num_pending=1)
+            assert not await same_first_step(client, num_pending=0)
 
     asyncio.run(main())
 
 
-def test_on_the_way_counts_the_server_requests_not_yet_at_the_engine() -> None:
+def test_pending_requests_counts_the_server_requests_not_yet_at_the_engine() -> None:
     async def main() -> None:
         tasks: set[asyncio.Task[None]] = set()  # as uvicorn keeps its request tasks
-        way = OnTheWay(tasks)
+        way = PendingRequests(tasks)
         counts: dict[str, int | None] = {}
         done = asyncio.Event()
 
@@ -241,8 +244,8 @@ def test_on_the_way_counts_the_server_requests_not_yet_at_the_engine() -> None:
         await asyncio.gather(*running)
         assert not tasks
         assert way.reached() == 0  # not a server request (the batch dispatcher): not counted
-        assert OnTheWay(None).reached() is None  # a server that does not expose its tasks
-        assert OnTheWay(None).count() is None
+        assert PendingRequests(None).reached() is None  # a server that does not expose its tasks
+        assert PendingRequests(None).count() is None
 
     asyncio.run(main())
 
@@ -253,9 +256,9 @@ def test_requests_submitted_in_one_turn_reach_the_engine_in_two_messages(
     """A turn of the event loop's first request goes at once (the engine starts its arrival
     window on it, told how many are on their way); the turn's later ones go together two
     turns later, in order, once the loop has polled its sockets again; an abort in the same
-    turn goes after the requests it may name. With the gateway's count (count_on_the_way),
-    the later message carries the count made then, `checked`, and goes even with no request
-    when the last message said some were coming. The engine's end of the socket is read
+    turn goes after the requests it may name. With the gateway's count (count_pending),
+    the later message carries the count made then, `counted_after_poll`, and goes even with no
+    request when the last message said some were coming. The engine's end of the socket is read
     here (no engine process)."""
     params = SamplingParams(max_tokens=2, temperature=0)
     decoder = msgspec.msgpack.Decoder(EngineInput)
@@ -274,7 +277,7 @@ def test_requests_submitted_in_one_turn_reach_the_engine_in_two_messages(
                 message = decoder.decode(engine_end.recv())
                 if isinstance(message, AddRequests):
                     ids = [r.req_id for r in message.requests]
-                    out.append(("add", ids, message.on_the_way, message.checked))
+                    out.append(("add", ids, message.num_pending, message.counted_after_poll))
                 elif isinstance(message, AbortRequests):
                     out.append(("abort", message.req_ids, None, False))
             return out
@@ -302,7 +305,7 @@ def test_requests_submitted_in_one_turn_reach_the_engine_in_two_messages(
             assert received() == []
 
             seen = [2]  # the gateway's count when the loop gets round to it
-            client.count_on_the_way = lambda: seen[0]
+            client.count_pending = lambda: seen[0]
             await client.submit(EngineCoreRequest("r6", PROMPTS[0], params, 0.0), 0)
             await client.submit(EngineCoreRequest("r7", PROMPTS[0], params, 0.0), 0)
             assert received() == [("add", ["r6"], 0, False)]

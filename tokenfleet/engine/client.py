@@ -87,11 +87,11 @@ class AsyncEngineClient:
         # (_end_turn).
         self._turn_open = False
         self._adds: list[EngineCoreRequest] = []
-        self._adds_on_the_way: int | None = None
-        self._told_on_the_way: int | None = None  # the count the last message carried
+        self._adds_num_pending: int | None = None
+        self._told_num_pending: int | None = None  # the count the last message carried
         # Set by the gateway: how many requests it has taken in and not submitted, counted
         # now (None: it cannot tell). Without it, a submit's own count goes with it.
-        self.count_on_the_way: Callable[[], int | None] | None = None
+        self.count_pending: Callable[[], int | None] | None = None
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -203,14 +203,14 @@ class AsyncEngineClient:
     # -- requests -----------------------------------------------------------------
 
     async def submit(
-        self, request: EngineCoreRequest, on_the_way: int | None = None
+        self, request: EngineCoreRequest, num_pending: int | None = None
     ) -> RequestOutputs:
         """Send the request to the engine (now, or at the end of this turn of the event loop
         with the others submitted after the turn's first); its outputs come from the
         returned iterator.
         The caller starts its reply meanwhile (a streamed response's headers during the
         prefill), and closes the iterator when done: early, that aborts the request.
-        `on_the_way`: how many more requests the caller has taken in and will submit
+        `num_pending`: how many more requests the caller has taken in and will submit
         soon (None: unknown); an idle engine waits for them before its first step."""
         if not self.is_healthy():
             raise EngineDeadError("the engine is not running")
@@ -220,11 +220,11 @@ class AsyncEngineClient:
         self._queues[request.req_id] = queue
         if self._turn_open:
             self._adds.append(request)
-            self._adds_on_the_way = on_the_way
+            self._adds_num_pending = num_pending
         else:
             # The engine starts its arrival window on this one, told how many are coming.
             try:
-                self._send_now(AddRequests([request], on_the_way))
+                self._send_now(AddRequests([request], num_pending))
             except BaseException:
                 del self._queues[request.req_id]
                 raise
@@ -274,28 +274,28 @@ class AsyncEngineClient:
         """Two turns of the event loop after a turn's first request, so once its loop has
         polled the sockets again and handled what they held (asyncio handles a poll's events
         in the turn after it, uvloop within it): send the requests submitted since, with the
-        gateway's count of those it has taken in since then (`checked`: an idle engine told
-        0 after a burst starts at once). With no request to send, the count goes alone when
-        the engine was last told that some were coming (they failed their checks, or went
-        with this turn's first request): it would wait for them otherwise."""
+        gateway's count of those it has taken in since then (`counted_after_poll`: an idle
+        engine told 0 after a burst starts at once). With no request to send, the count goes
+        alone when the engine was last told that some were coming (they failed their checks,
+        or went with this turn's first request): it would wait for them otherwise."""
         if not self._turn_open:
             return  # an abort sent them already
-        count = self.count_on_the_way
+        count = self.count_pending
         self._flush_adds(count() if count is not None else None)
 
-    def _flush_adds(self, checked_count: int | None = None) -> None:
+    def _flush_adds(self, count_after_poll: int | None = None) -> None:
         """Send what was submitted after the turn's first request, as one message: the rest
         of a burst (each HTTP request's task submits in turn) reaches the engine together,
-        one wake-up of each side for all of it. With `checked_count` (_end_turn), that
+        one wake-up of each side for all of it. With `count_after_poll` (_end_turn), that
         count; else (unchecked) the latest submit's."""
         self._turn_open = False
         requests, self._adds = self._adds, []
-        checked = checked_count is not None
-        if not requests and not (checked and self._told_on_the_way):
+        counted_after_poll = count_after_poll is not None
+        if not requests and not (counted_after_poll and self._told_num_pending):
             return
-        on_the_way = checked_count if checked else self._adds_on_the_way
+        num_pending = count_after_poll if counted_after_poll else self._adds_num_pending
         try:
-            self._send_now(AddRequests(requests, on_the_way, checked))
+            self._send_now(AddRequests(requests, num_pending, counted_after_poll))
         except EngineDeadError as exc:
             for request in requests:
                 queue = self._queues.get(request.req_id)
@@ -315,7 +315,7 @@ class AsyncEngineClient:
         except zmq.Again as exc:
             raise EngineDeadError("the engine process is not connected") from exc
         if isinstance(message, AddRequests):
-            self._told_on_the_way = message.on_the_way
+            self._told_num_pending = message.num_pending
 
 
 class RequestOutputs:

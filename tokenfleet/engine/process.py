@@ -53,31 +53,30 @@ def _die_with_parent() -> None:
 
 def arrival_gap_ms(
     arrivals: int,
-    on_the_way: int | None,
+    num_pending: int | None,
     window_left_ms: float,
     announced: bool = False,
-    checked: bool = False,
+    counted_after_poll: bool = False,
 ) -> int:
     """How long an engine waking from idle waits for one more arrival before its first step,
     so that a burst lands in the same first step instead of queueing behind the first
-    request's prefill. When the sender says more requests are on their way (the gateway
-    still parsing them), the rest of the window: a collector pause or a busy core in the
-    gateway does not split the burst. When it says none is, after an earlier request of
-    this window said some were (`announced`): the burst it saw is in; counted after it
-    polled its sockets again (`checked`, AddRequests.checked), so with what reached it
-    meanwhile, there is no wait, else only the short gap for stragglers. Otherwise (none
-    on the way from the first, or the sender cannot tell) the short gap for a lone
-    request, a longer one within a burst: the gateway counts only the requests whose
-    headers it has read, and requests still in its sockets are not seen. (Trusting a
-    first "none" with the short gap split a burst of 32 at the gateway's first request in
-    one wave of `bench/gateway_overhead.py` out of nine, and with no gap, checked, in three
-    of ten: the client had stalled after its first request; waiting the longer gap after
-    an announced burst had come in added 5 ms to all of its requests; no gap after one,
-    unchecked, split bursts that reached the gateway in pieces.)"""
-    if on_the_way:
+    request's prefill.
+
+    - The sender says more requests are pending (the gateway is still parsing them): the
+      rest of the window, so that a collector pause or a busy gateway core does not split
+      the burst.
+    - It says none is, after an earlier request of this window said some were
+      (`announced`): the burst is in. Counted after the sender polled its sockets again
+      (`counted_after_poll`), nothing else can be in flight: no wait; otherwise the short
+      gap for stragglers.
+    - Otherwise (none pending from the first, or the sender cannot tell): the short gap
+      for a lone request, a longer one within a burst, because the gateway counts only
+      the requests whose headers it has read, not those still in its sockets.
+    """
+    if num_pending:
         return max(1, math.ceil(window_left_ms))
-    if announced and on_the_way == 0:
-        return 0 if checked else ARRIVAL_GAP_MS
+    if announced and num_pending == 0:
+        return 0 if counted_after_poll else ARRIVAL_GAP_MS
     return BURST_GAP_MS if arrivals > 1 else ARRIVAL_GAP_MS
 
 
@@ -116,9 +115,11 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
             window_s = min(ARRIVAL_WINDOW_MAX_S, ARRIVAL_WINDOW_STEP_SHARE * step_s)
             window_end = time.monotonic() + window_s
             arrivals = 0
-            on_the_way: int | None = None  # as the latest request's sender counted them
+            num_pending: int | None = None  # as the latest request's sender counted them
             announced = False  # an earlier request of this window said more were coming
-            checked = False  # ...and whether the latest count was made after a fresh poll
+            counted_after_poll = (
+                False  # ...and whether the latest count was made after a fresh poll
+            )
             while True:
                 try:
                     message = decoder.decode(inputs.recv(zmq.NOBLOCK))
@@ -126,7 +127,9 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                     if busy:
                         break
                     left_ms = (window_end - time.monotonic()) * 1000
-                    gap_ms = arrival_gap_ms(arrivals, on_the_way, left_ms, announced, checked)
+                    gap_ms = arrival_gap_ms(
+                        arrivals, num_pending, left_ms, announced, counted_after_poll
+                    )
                     if left_ms > 0 and inputs.poll(gap_ms):
                         continue
                     break
@@ -137,8 +140,11 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                 elif isinstance(message, AddRequests):
                     arrivals += len(message.requests)
                     # Requests sent together came together: the sender saw a burst.
-                    announced = announced or bool(on_the_way) or len(message.requests) > 1
-                    on_the_way, checked = message.on_the_way, message.checked
+                    announced = announced or bool(num_pending) or len(message.requests) > 1
+                    num_pending, counted_after_poll = (
+                        message.num_pending,
+                        message.counted_after_poll,
+                    )
                     for request in message.requests:
                         try:
                             core.add_request(request)

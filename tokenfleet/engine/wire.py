@@ -19,12 +19,12 @@ class AddRequests(msgspec.Struct, tag="add"):
     # gateway is still parsing), counted as it submitted the last of these: an idle engine
     # waits for them before its first step. None: the sender cannot tell, so the engine
     # guesses from the gaps between arrivals.
-    on_the_way: int | None = None
-    # The sender counted on_the_way after its event loop had polled its sockets again since
+    num_pending: int | None = None
+    # The sender counted num_pending after its event loop had polled its sockets again since
     # the last of these was submitted (AsyncEngineClient._end_turn): what had reached it by
-    # then is counted, so an idle engine told 0 after a burst starts at once. A checked
-    # message may carry no request: it only says how many are still on their way.
-    checked: bool = False
+    # then is counted, so an idle engine told 0 after a burst starts at once. Such a message
+    # may carry no request: it only says how many are still pending.
+    counted_after_poll: bool = False
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):

@@ -86,8 +86,8 @@ class Gateway(FastAPI):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        on_the_way = self.state.service.on_the_way
-        on_the_way.entered()
+        pending = self.state.service.pending
+        pending.entered()
         request = Request(scope, receive)
         rid = request_id(request)
         api_keys: frozenset[str] = self.state.config.api_keys
@@ -107,17 +107,17 @@ class Gateway(FastAPI):
 
         endpoint = DIRECT_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
         if endpoint is None:
-            on_the_way.passed()  # not a generation request: the engine need not wait for it
+            pending.passed()  # not a generation request: the engine need not wait for it
             await super().__call__(scope, receive, send_with_id)
             return
         scope["app"] = self  # as Starlette sets it: the endpoints find their state there
         try:
             response = await endpoint(request)
         except APIError as exc:
-            on_the_way.passed()
+            pending.passed()
             response = error_response(request, exc)
         except Exception:
-            on_the_way.passed()
+            pending.passed()
             response = _internal_error(request)
         await response(scope, receive, send_with_id)
 

@@ -82,16 +82,16 @@ class TextDelta:
     prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, if asked
 
 
-# The server's task of the HTTP request being served (OnTheWay.entered), in its context.
+# The server's task of the HTTP request being served (PendingRequests.entered), in its context.
 _REQUEST_TASK: ContextVar[asyncio.Task[Any] | None] = ContextVar(
     "tokenfleet_request_task", default=None
 )
 
 
-class OnTheWay:
+class PendingRequests:
     """The HTTP requests the server has taken in that have not reached the engine yet: a
     burst's later requests, still being parsed one after another on this event loop. Sent
-    with each request (AddRequests.on_the_way), so that an idle engine waits for them
+    with each request (AddRequests.num_pending), so that an idle engine waits for them
     (within its arrival window) instead of guessing from the pauses between arrivals: a
     collector pause or a busy core in the gateway would split the burst across two first
     steps, and the later part would wait a whole step.
@@ -143,8 +143,8 @@ class GenerationService:
         server_tasks: set[asyncio.Task[None]] | None = None,
     ) -> None:
         self.client = client
-        self.on_the_way = OnTheWay(server_tasks)
-        client.count_on_the_way = self.on_the_way.count
+        self.pending = PendingRequests(server_tasks)
+        client.count_pending = self.pending.count
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
@@ -278,7 +278,7 @@ class GenerationService:
             predicted = self._predict(num_prompt)
         self.admission.requests.add(request.req_id, num_prompt, interactive=interactive, now=start)
         try:
-            submitted = self.client.submit(request, self.on_the_way.reached())
+            submitted = self.client.submit(request, self.pending.reached())
             async with contextlib.aclosing(await submitted) as outputs:
                 self.metrics.prompt_tokens.inc(num_prompt)
                 if announce:
