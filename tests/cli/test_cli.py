@@ -1,5 +1,5 @@
 """`tokenfleet serve`'s settings: flags and environment variables, read in one place
-(cli.py with envs.py), and documented by `tokenfleet serve --help`."""
+(cli/serve.py with envs.py), and documented by `tokenfleet serve --help`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`tokenfleet sim CONFIG.yaml`: run every fleet policy of a config, print the table, and
-write sim.json and sim.png into --out."""
+"""`tokenfleet sim CONFIG.yaml`: run a config's fleet policies; the table, sim.json, sim.png."""
 
 from __future__ import annotations
 
