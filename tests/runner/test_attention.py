@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenfleet.kernels import paged_attention_lib
+from tokenfleet.kernels import paged_attention_lib, paged_attention_splits_contexts
 from tokenfleet.models.attention import AttentionMetadata, PagedAttention
 
 
@@ -159,7 +159,8 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
     """With two threads the kernel cuts a context longer than its 1,024-key segments into
     segments that threads take apart and merges their softmaxes: decodes and short chunks
     over 2,500-4,100 tokens (segments of the window's start left empty among them) give
-    plain attention's result, as one thread's single pass does."""
+    plain attention's result, as one thread's single pass does. Only the AVX-512 path
+    splits; the portable one (a CPU without AVX-512) gives the same bits at both counts."""
     if paged_attention_lib() is None:
         pytest.fail("the C kernel did not build: is a C compiler installed?")
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
@@ -184,4 +185,9 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
     ]
     for out in outs.values():
         torch.testing.assert_close(out, torch.cat(expected), atol=3e-6, rtol=1e-5)
-    assert not torch.equal(outs[1], outs[2])  # the split ran: its sums round otherwise
+    if (
+        paged_attention_splits_contexts()
+    ):  # the AVX-512 path: the split ran, its sums round otherwise
+        assert not torch.equal(outs[1], outs[2])
+    else:  # the portable path (no AVX-512 on this CPU): one pass at any thread count
+        assert torch.equal(outs[1], outs[2])

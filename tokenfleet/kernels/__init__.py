@@ -108,7 +108,16 @@ def paged_attention_lib() -> ctypes.CDLL | None:
                 ctypes.c_int,
             ]
         )
+    lib.paged_attention_splits_contexts.restype = ctypes.c_int
+    lib.paged_attention_splits_contexts.argtypes = []
     return lib
+
+
+def paged_attention_splits_contexts() -> bool:
+    """Whether the built kernel cuts a long context across threads (its AVX-512 path); the
+    portable path reads each context in one pass at any thread count."""
+    lib = paged_attention_lib()
+    return lib is not None and bool(lib.paged_attention_splits_contexts())
 
 
 def paged_attention(

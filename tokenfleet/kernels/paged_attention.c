@@ -176,3 +176,13 @@ static inline float bf16_to_float(uint16_t b) {
 #define NAME(f) f##_bf16
 #define KERNEL paged_attention_bf16
 #include "paged_attention_impl.h"
+
+/* 1 where this build has the AVX-512 path, the one that cuts a long context into segments
+ * that threads take apart; 0 where only the portable path is built (one pass per tile). */
+int paged_attention_splits_contexts(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
