@@ -29,7 +29,7 @@ from tokenfleet.kernels import paged_attention
 # products. Measured (bench/attention_kernel.py: 30 layers, 9 heads of 64, one thread, AMD
 # EPYC), kernel against gather + SDPA at context 8,000, float32 KV: 2 queries 53 ms
 # against 248, 8 queries 112 against 246, 16 queries 215 against 314; at context 500, 16
-# queries 17 against 24. (The kernel before its fast path: 32 queries 440 ms against 324.)
+# queries 17 against 24.
 KERNEL_MAX_QUERY = 16
 
 

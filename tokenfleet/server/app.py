@@ -148,8 +148,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         gc.freeze()
         # And collect the young generation after 100,000 allocations instead of 700: a
         # burst of 32 requests allocates enough for dozens of collections otherwise, each
-        # on the event loop the burst waits on (bursts of 32 in a quick A/B: the first
-        # token's paired overhead 7.3-7.6 -> 6.2-6.7 ms). A few MB more held at most.
+        # on the event loop the burst waits on (about 1 ms of a burst of 32's first-token
+        # overhead, bench/gateway_overhead.py). A few MB more held at most.
         gc.set_threshold(100_000, 50, 100)
         try:
             yield
