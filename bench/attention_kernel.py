@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from offline_throughput import run_and_write
+from common.results import run_and_write
 
 from tokenfleet.kernels import paged_attention_lib
 from tokenfleet.models.attention import KERNEL_MAX_QUERY, AttentionMetadata, PagedAttention

@@ -27,8 +27,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from batch_engine import add_batch
-from offline_throughput import write_results
+from common.batch import add_batch
+from common.results import write_results
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams

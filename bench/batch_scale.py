@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,17 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from offline_throughput import format_table, machine_info
+from common.results import args_json, format_table, machine_info
+from common.server import free_port, serving, wait_healthy
 from tqdm import tqdm
 
 MODEL = "smollm2-135m-instruct"
 RESULT_NAME = "batch_scale"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def memory_kib(pid: int) -> dict[str, int]:
@@ -100,23 +92,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.database_url:
             argv_serve += ["--database-url", args.database_url]
         log = Path(tmp) / "serve.log"
-        with log.open("wb") as out:
-            server = subprocess.Popen(
-                argv_serve, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
         url = f"http://127.0.0.1:{port}"
-        try:
+        with serving(argv_serve, log, stop_timeout_s=60) as server:
             result = run(args, url, server, log)
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
 
     result.update(
         {
             "command": shlex.join([sys.executable, *sys.argv]),
             "date": started.isoformat(timespec="seconds"),
             "machine": machine_info(1),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": args_json(args),
         }
     )
     rows = [
@@ -148,17 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace, url: str, server: subprocess.Popen[bytes], log: Path) -> dict:
-    deadline = time.monotonic() + 300
-    while True:
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
-        try:
-            health = httpx.get(f"{url}/health", timeout=2)
-            if health.status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    health = wait_healthy(server, url, log, timeout_s=300)
     engine_pid = int(health.json()["engine_pid"])
     before = {"gateway": memory_kib(server.pid), "engine": memory_kib(engine_pid)}
     body_bytes = sum(len(c) for c in request_lines(args.requests, args.max_tokens, args.pad_words))

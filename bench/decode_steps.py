@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from offline_throughput import run_and_write
+from common.results import run_and_write
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.core.engine_api import EngineCoreRequest

@@ -46,11 +46,9 @@ import math
 import os
 import re
 import shlex
-import signal
 import socket
 import statistics
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +64,9 @@ import httpx
 import msgspec
 import numpy as np
 import torch
-from offline_throughput import cpu_busy_fraction, format_table, machine_info
+from common.results import BUSY_WARNING, args_json, cpu_busy_fraction, format_table, machine_info
+from common.server import start_gateway, stop_gateway
+from common.stats import percentile
 from tqdm import tqdm
 
 from tokenfleet import envs
@@ -89,7 +89,6 @@ MODE_NAMES = {
 MODE_COLORS = {"core": "tab:blue", "client": "tab:orange", "http": "tab:green"}
 GOAL_TPOT_MS = 1.0  # the gateway may add at most this per token...
 GOAL_TTFT_MS = 5.0  # ...and this to the first token
-BUSY_WARNING = 0.1
 MAX_NUM_BATCHED_TOKENS = 512
 BLOCK_SIZE = 16
 # English text, so that (nearly) every greedy output token decodes to text of its own and
@@ -177,10 +176,6 @@ class RoundResult:
             "tpot_p90_ms": percentile(gaps, 90),
             "output_tokens_per_s": self.output_tokens / self.wall_s,
         }
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else math.nan
 
 
 # -- CPU accounting ----------------------------------------------------------------------
@@ -637,58 +632,6 @@ async def http_wave(
                 *(conn.read_stream(t) for conn, t in zip(connections, timings, strict=False))
             )
         )
-
-
-# -- the gateway process -----------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Gateway:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-    engine_pid: int = 0
-
-
-async def start_gateway(argv_tail: list[str], log_dir: Path, timeout_s: float = 300) -> Gateway:
-    port = free_port()
-    log = log_dir / "serve.log"
-    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--data-dir", str(log_dir / "data"), *argv_tail]
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=5) as http:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"tokenfleet serve exited: {log.read_text()[-3000:]}")
-            try:
-                response = await http.get("/health")
-                if response.status_code == 200:
-                    gateway.engine_pid = int(response.json()["engine_pid"])
-                    return gateway
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-    stop_gateway(gateway)
-    raise TimeoutError(f"tokenfleet serve not healthy in {timeout_s}s: {log.read_text()[-3000:]}")
-
-
-def stop_gateway(gateway: Gateway) -> None:
-    if gateway.process.poll() is None:
-        gateway.process.send_signal(signal.SIGTERM)
-        try:
-            gateway.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            gateway.process.kill()
-            gateway.process.wait()
 
 
 # -- results -----------------------------------------------------------------------------
@@ -1274,7 +1217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "load_average_after": os.getloadavg(),
             "other_processes_cpu_share_during_rounds": busy_during,
         },
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args_json(args),
         "engine": {
             "model": str(folder),
             "num_threads": args.threads,

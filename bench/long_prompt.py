@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from mixed_load import GreedyEndpoint, RunStart, args_json, log, tokenfleet_server, write_result
-from offline_throughput import format_table
+from common.calibration import GreedyEndpoint
+from common.log import log
+from common.results import RunStart, args_json, fmt_ms, format_table, write_result
+from common.server import tokenfleet_server
 
 from tokenfleet.checkpoint.folder import resolve_model_folder
 from tokenfleet.checkpoint.tokenizer import Tokenizer
@@ -205,10 +207,6 @@ async def measure(
     }
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = RunStart.now()
@@ -232,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = row
             log(
                 f"{name}: long TTFT {row['long_ttft_s']:.1f} s; stream gaps before: max "
-                f"{_ms(row['gap_before_max_s'])} ms; during its prefill: p50 "
-                f"{_ms(row['gap_during_p50_s'])}, max {_ms(row['gap_during_max_s'])} ms "
+                f"{fmt_ms(row['gap_before_max_s'])} ms; during its prefill: p50 "
+                f"{fmt_ms(row['gap_during_p50_s'])}, max {fmt_ms(row['gap_during_max_s'])} ms "
                 f"(target {target * 1000:.0f} ms)"
             )
     lines = [
@@ -250,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             [
                 name,
                 f"{row['long_ttft_s']:.1f}",
-                _ms(row["gap_before_max_s"]),
-                "/".join(_ms(row[f"gap_during_{q}_s"]) for q in ("p50", "p99", "max")),
+                fmt_ms(row["gap_before_max_s"]),
+                "/".join(fmt_ms(row[f"gap_during_{q}_s"]) for q in ("p50", "p99", "max")),
                 f"{(row['gap_during_max_s'] or 0) / target:.2f}",
             ]
         )

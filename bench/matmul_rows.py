@@ -18,16 +18,14 @@ Writes matmul_rows.json and matmul_rows.png into --out.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from offline_throughput import run_and_write
+from common.results import run_and_write
+from common.timing import timed
 
 from tokenfleet.models import packed
 from tokenfleet.models.llama import VOCAB_BLOCK, vocab_blocks
@@ -49,16 +47,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     return parser.parse_args(argv)
-
-
-def timed(f: Callable[[], Any], repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -37,34 +37,27 @@ import asyncio
 import json
 import logging
 import math
-import os
 import re
 import shlex
 import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
-from datetime import UTC, datetime
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
-from offline_throughput import cpu_busy_fraction, format_table, machine_info
+from common.calibration import Calibration, calibrate
+from common.log import log
+from common.results import RunStart, args_json, fmt_ms, format_table, write_result
+from common.server import Server, peer_server, tokenfleet_server
 
-from tokenfleet.loadgen.client import Endpoint, RequestRecord, stream_request
-from tokenfleet.loadgen.report import percentile
 from tokenfleet.loadgen.run import BenchConfig, BenchResult, run_bench
-from tokenfleet.loadgen.workload import RequestSpec, WorkloadConfig, build_workload, prompt_text
+from tokenfleet.loadgen.workload import WorkloadConfig
 
 RESULT_NAME = "mixed_load"
 HERE = Path(__file__).resolve().parent
-SERVE_PEER = HERE / "peers" / "serve-peer"
 PEERS = ("vllm", "llama-q4_1", "llama-f32")
 # The harvest margin of configuration c2: a step limit of 0.6 x the TPOT target, which is
 # 1.2 x the single-stream decode step when the target is 2 x that step, the issue's ratio.
@@ -101,131 +94,11 @@ LABELS = {
 PERCENTILES = ("p50", "p90", "p99")
 GOAL_TPOT_RATIO = 1.2
 GOAL_BATCH_RATIO = 0.6
-BUSY_WARNING = 0.1
 _BATCH_COUNT = re.compile(
     r'^tokenfleet_time_(?:to_first_token|per_output_token)_seconds_count\{[^}]*priority="batch"'
     r"[^}]*\}\s+(\S+)$",
     re.MULTILINE,
 )
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# -- servers: each in its own process group, stopped whole ----------------------------------
-
-
-@dataclass
-class Server:
-    name: str
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-
-
-def _stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    """SIGTERM to the process's group, SIGKILL to what is left after timeout_s."""
-    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            process.poll()  # reap the leader: a zombie still counts as one of the group
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
-
-
-def _wait_ready(server: Server, path: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() not in (None, 0):  # serve-peer exits 0 once its peer answers
-            raise RuntimeError(f"{server.name} did not start: {server.log.read_text()[-3000:]}")
-        try:
-            if httpx.get(server.url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(
-        f"{server.name} not ready in {timeout_s} s: {server.log.read_text()[-3000:]}"
-    )
-
-
-@contextmanager
-def started(
-    name: str,
-    argv: list[str],
-    url: str,
-    ready_path: str,
-    log_path: Path,
-    env: dict[str, str] | None,
-    timeout_s: float,
-) -> Iterator[Server]:
-    with log_path.open("wb") as sink:
-        process = subprocess.Popen(
-            argv,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # the server and all it starts share this group
-            env=None if env is None else os.environ | env,
-        )
-    server = Server(name, url, process, log_path)
-    try:
-        log(f"starting {name} ({url}) ...")
-        t0 = time.monotonic()
-        _wait_ready(server, ready_path, timeout_s)
-        log(f"{name} ready in {time.monotonic() - t0:.0f} s")
-        yield server
-    finally:
-        _stop_group(process)
-        process.wait()
-
-
-def tokenfleet_server(
-    args: argparse.Namespace,
-    tmp: Path,
-    name: str,
-    policy: str,
-    targets: tuple[float, float] | None,
-    extra: Sequence[str] = (),
-) -> Any:
-    port = free_port()
-    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
-    argv += ["--scheduling-policy", policy, "--num-threads", str(args.num_threads)]
-    argv += ["--max-model-len", str(args.max_model_len)]
-    argv += ["--data-dir", tempfile.mkdtemp(prefix=f"{name}-data-", dir=tmp)]
-    if targets is None:  # calibration: nothing refused
-        argv += ["--ttft-target", "3600"]
-    else:
-        argv += ["--ttft-target", f"{targets[0]:.4f}", "--tpot-target", f"{targets[1]:.4f}"]
-    argv += list(extra)
-    url = f"http://127.0.0.1:{port}"
-    return started(name, argv, url, "/health", tmp / f"{name}.log", None, 300)
-
-
-def peer_server(args: argparse.Namespace, tmp: Path, name: str) -> Any:
-    port = free_port()
-    env = {
-        "THREADS": str(args.num_threads),
-        "CTX_PER_SLOT": str(args.max_model_len),
-        "LOG_DIR": str(tmp),
-    }
-    argv = [str(SERVE_PEER), name, str(port)]
-    url = f"http://127.0.0.1:{port}"
-    return started(name, argv, url, "/v1/models", tmp / f"serve-peer-{name}.log", env, 960)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def peer_key(key: str) -> tuple[str, int | None] | None:
@@ -255,144 +128,6 @@ def config_order(key: str) -> tuple[int, int]:
     peer = peer_key(key)
     assert peer is not None, key
     return (len(OURS) + PEERS.index(peer[0]), peer[1] or 0)
-
-
-# -- calibration ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GreedyEndpoint(Endpoint):
-    """Calibration streams: greedy, so that nothing but the step is measured."""
-
-    def body(self, spec: RequestSpec, prompt: str, *, stream: bool) -> dict[str, Any]:
-        return super().body(spec, prompt, stream=stream) | {"temperature": 0}
-
-
-@dataclass(frozen=True)
-class Calibration:
-    decode_step_s: float  # median TPOT of a single greedy stream
-    prefill_tokens_per_s: float  # prefill_probe_len / median TTFT of it alone
-    prefill_probe_len: int
-    p90_prompt_len: int
-    mean_prompt_len: int
-    mean_output_len: int
-    tpot_target_s: float
-    ttft_target_s: float
-    probe: list[dict[str, float]]  # per concurrency: req/s, TPOT p90, TTFT p90
-    capacity_rps: float
-    rate_rps: float  # --load x capacity
-
-
-async def _streams(
-    url: str,
-    specs: list[RequestSpec],
-    workload: WorkloadConfig,
-    concurrency: int,
-    until_s: float | None = None,
-) -> list[RequestRecord]:
-    """specs streamed `concurrency` at a time (closed loop); none started after until_s."""
-    async with httpx.AsyncClient(timeout=600) as http:
-        model = (await http.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        endpoint = GreedyEndpoint(url, "openai", model)
-        t0 = time.perf_counter()
-        queue = list(reversed(specs))
-        records: list[RequestRecord] = []
-
-        def clock() -> float:
-            return time.perf_counter() - t0
-
-        async def worker() -> None:
-            while queue and (until_s is None or clock() < until_s):
-                spec = queue.pop()
-                record = RequestRecord.of(spec)
-                await stream_request(
-                    http, endpoint, spec, prompt_text(workload, spec), record, clock, timeout_s=600
-                )
-                records.append(record)
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return records
-
-
-def _spec(name: str, prompt_len: int, output_len: int) -> RequestSpec:
-    return RequestSpec(f"cal-{name}", "interactive", 0.0, prompt_len, output_len)
-
-
-def _median(values: list[float | None]) -> float:
-    present = [v for v in values if v is not None]
-    if not present:
-        raise RuntimeError("calibration: no request finished")
-    return statistics.median(present)
-
-
-def calibrate(url: str, args: argparse.Namespace, workload: WorkloadConfig) -> Calibration:
-    lengths = [
-        (s.prompt_len, s.output_len)
-        for s in build_workload(replace(workload, rate=5.0, duration_s=200.0))
-    ]  # a large sample of the workload's interactive lengths
-    mean_prompt = round(statistics.fmean(p for p, _ in lengths))
-    mean_output = round(statistics.fmean(o for _, o in lengths))
-    p90_prompt = round(percentile([p for p, _ in lengths], 90) or mean_prompt)
-    repeats = 2 if args.quick else 5
-    asyncio.run(
-        _streams(url, [_spec(f"warm-{i}", 64, 8) for i in range(2)], workload, 1)
-    )  # warm-up
-    decode = asyncio.run(
-        _streams(url, [_spec(f"decode-{i}", 16, 64) for i in range(repeats)], workload, 1)
-    )
-    step = _median([r.tpot_s for r in decode])
-    prefill = asyncio.run(
-        _streams(
-            url,
-            [_spec(f"prefill-{i}", args.prefill_probe_len, 1) for i in range(repeats)],
-            workload,
-            1,
-        )
-    )
-    rate = args.prefill_probe_len / _median([r.ttft_s for r in prefill])
-    tpot_target = 2 * step
-    ttft_target = 2 * p90_prompt / rate
-    log(
-        f"decode step {step * 1000:.1f} ms, prefill {rate:.0f} tokens/s; targets: TPOT "
-        f"{tpot_target * 1000:.1f} ms, TTFT {ttft_target * 1000:.0f} ms (p90 prompt {p90_prompt})"
-    )
-    probe, capacity = [], 0.0
-    for level in args.probe_levels:
-        specs = [_spec(f"probe{level}-{i}", mean_prompt, mean_output) for i in range(10_000)]
-        records = asyncio.run(_streams(url, specs, workload, level, until_s=args.probe_s))
-        ok = [r for r in records if r.status == "ok"]
-        span = max(r.done_s or 0.0 for r in ok) if ok else math.inf
-        row = {
-            "concurrency": level,
-            "requests_per_s": len(ok) / span,
-            "tpot_p90_s": percentile([t for r in ok if (t := r.tpot_s) is not None], 90) or 0.0,
-            "ttft_p90_s": percentile([t for r in ok if (t := r.ttft_s) is not None], 90) or 0.0,
-        }
-        probe.append(row)
-        within = row["tpot_p90_s"] <= tpot_target and row["ttft_p90_s"] <= ttft_target
-        log(
-            f"probe {level} streams: {row['requests_per_s']:.2f} req/s, TPOT p90 "
-            f"{row['tpot_p90_s'] * 1000:.1f} ms, TTFT p90 {row['ttft_p90_s'] * 1000:.0f} ms"
-            f"{'' if within else ' (over a target)'}"
-        )
-        if not within:
-            break
-        capacity = max(capacity, row["requests_per_s"])
-    if capacity == 0.0:  # even one stream breaks a target: one stream's rate is the capacity
-        capacity = probe[0]["requests_per_s"]
-    return Calibration(
-        step,
-        rate,
-        args.prefill_probe_len,
-        p90_prompt,
-        mean_prompt,
-        mean_output,
-        tpot_target,
-        ttft_target,
-        probe,
-        capacity,
-        args.load * capacity,
-    )
 
 
 # -- one configuration --------------------------------------------------------------------
@@ -520,8 +255,8 @@ def describe(row: dict[str, Any]) -> str:
     if i["num_requests"]:
         parts.append(
             f"interactive {i['num_ok']}/{i['num_requests']} ok, {i['num_refused']} "
-            f"refused, TPOT p99 {_ms(i['tpot_s']['p99'])} ms, TTFT p99 "
-            f"{_ms(i['ttft_s']['p99'])} ms"
+            f"refused, TPOT p99 {fmt_ms(i['tpot_s']['p99'])} ms, TTFT p99 "
+            f"{fmt_ms(i['ttft_s']['p99'])} ms"
         )
     if row["batch_tokens_per_s"] is not None:
         parts.append(
@@ -531,51 +266,7 @@ def describe(row: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
 # -- the report ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunStart:
-    """When a run started and how busy the CPUs were just before: its result's first fields."""
-
-    started_at: datetime
-    cpu_busy: float | None
-
-    @classmethod
-    def now(cls) -> RunStart:
-        started_at = datetime.now(UTC)
-        busy = cpu_busy_fraction()
-        if busy is not None and busy > BUSY_WARNING:
-            log(f"warning: the CPUs are already {busy:.0%} busy; the figures will be noisy")
-        return cls(started_at, busy)
-
-    def provenance(self, args: argparse.Namespace) -> dict[str, Any]:
-        """What reproduces the run and what it ran on."""
-        return {
-            "command": shlex.join([sys.executable, *sys.argv]),
-            "date": self.started_at.isoformat(timespec="seconds"),
-            "machine": machine_info(args.num_threads) | {"cpu_busy_at_start": self.cpu_busy},
-        }
-
-
-def args_json(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments as JSON takes them (paths as strings)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-
-
-def write_result(
-    out: Path, name: str, result: dict[str, Any], plot: Callable[[Path], None]
-) -> None:
-    """`name`.json (the result) and `name`.png (what `plot` draws there) in `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out / f"{name}.json", out / f"{name}.png"
-    json_path.write_text(json.dumps(result, indent=1) + "\n")
-    plot(png_path)
-    log(f"wrote {json_path} and {png_path}")
 
 
 def ratios(rows: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -657,8 +348,8 @@ def table(rows: dict[str, dict[str, Any]], rats: dict[str, dict[str, Any]]) -> s
         lines.append(
             [
                 row["label"],
-                "/".join(_ms(i["ttft_s"][p]) for p in ("p50", "p90", "p99")) if has else "-",
-                "/".join(_ms(i["tpot_s"][p]) for p in ("p50", "p90", "p99")) if has else "-",
+                "/".join(fmt_ms(i["ttft_s"][p]) for p in ("p50", "p90", "p99")) if has else "-",
+                "/".join(fmt_ms(i["tpot_s"][p]) for p in ("p50", "p90", "p99")) if has else "-",
                 f"{i['num_ok']}/{i['num_requests']}" if has else "-",
                 str(i["num_refused"]) if has else "-",
                 f"{i['goodput']:.0%}" if has and i["goodput"] is not None else "-",

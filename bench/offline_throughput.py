@@ -31,23 +31,21 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from common.results import BUSY_WARNING, args_json, cpu_busy_fraction, format_table, machine_info
 from tqdm import tqdm
 
 from tokenfleet import LLM, SamplingParams, envs
@@ -66,7 +64,6 @@ MAX_NUM_BATCHED_TOKENS = 512
 RESULT_NAME = "offline_throughput"
 GOAL_RATIO_VS_TRANSFORMERS = 3.0
 GOAL_FRACTION_OF_MATMUL = 0.5
-BUSY_WARNING = 0.1  # warn when other processes keep this share of the CPUs busy
 
 
 # -- workload ----------------------------------------------------------------------------
@@ -486,94 +483,6 @@ def run_transformers(
 # -- reporting ---------------------------------------------------------------------------
 
 
-def machine_info(threads: int) -> dict[str, Any]:
-    cpu_model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next(
-                (line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                cpu_model,
-            )
-    except OSError:
-        pass
-
-    def version(dist: str) -> str | None:
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    return {
-        "cpu_model": cpu_model,
-        "logical_cpus": os.cpu_count(),
-        "threads": threads,
-        "torch_num_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "tokenfleet": version("tokenfleet"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def run_and_write(
-    args: argparse.Namespace,
-    name: str,
-    run: Callable[[argparse.Namespace], dict[str, Any]],
-    plot: Callable[[Path, dict[str, Any]], None],
-) -> dict[str, Any]:
-    """`run(args)`, dated when it starts, then its result written (write_results)."""
-    date = datetime.now(UTC).isoformat(timespec="seconds")
-    result = run(args)
-    write_results(args, name, date, result, lambda path: plot(path, result))
-    return result
-
-
-def write_results(
-    args: argparse.Namespace,
-    name: str,
-    date: str,
-    result: dict[str, Any],
-    plot: Callable[[Path], None],
-) -> None:
-    """`name`.json (the command, date, machine, arguments and `result`) and `name`.png (by
-    `plot`) into `args.out`; `args.num_threads` is the machine's thread setting."""
-    out = {
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "date": date,
-        "machine": machine_info(args.num_threads),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        **result,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = args.out / f"{name}.json", args.out / f"{name}.png"
-    json_path.write_text(json.dumps(out, indent=1) + "\n")
-    plot(png_path)
-    print(f"wrote {json_path} and {png_path}")
-
-
-def cpu_busy_fraction(interval_s: float = 1.0) -> float | None:
-    """Share of all CPUs busy over the next interval, from /proc/stat (None if unreadable).
-
-    Run before the benchmark starts, it shows other processes competing for the cores.
-    """
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-        return sum(fields), idle
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(interval_s)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    total = total1 - total0
-    return 1 - (idle1 - idle0) / total if total > 0 else None
-
-
 def timeline(steps: Sequence[StepRecord], num_bins: int = 50) -> dict[str, list[float]]:
     """Output tokens/s in equal time bins (each step's tokens land at its end time)."""
     if not steps:
@@ -635,19 +544,6 @@ def plot(
     twin.set_ylim(0, max_num_seqs * 1.1)
     twin.yaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=120)
-
-
-def format_table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 def table_row(name: str, t: Throughput, reference: Throughput | None) -> list[str]:
@@ -787,7 +683,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpu_busy_before": busy_before,
             "load_average_after": os.getloadavg(),
         },
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": args_json(args),
         "model": {
             "folder": str(folder),
             "num_params": config.num_params,

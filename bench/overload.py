@@ -31,16 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from mixed_load import (
-    Calibration,
-    RunStart,
-    args_json,
-    calibrate,
-    log,
-    tokenfleet_server,
-    write_result,
-)
-from offline_throughput import format_table
+from common.calibration import Calibration, calibrate
+from common.log import log
+from common.results import RunStart, args_json, fmt_ms, format_table, write_result
+from common.server import tokenfleet_server
 
 from tokenfleet.loadgen.client import Endpoint
 from tokenfleet.loadgen.run import BenchConfig, run_bench
@@ -170,14 +164,11 @@ def describe(row: dict[str, Any]) -> str:
     ttft, tpot = row["ttft_s"], row["tpot_s"]
     return (
         f"{row['num_requests']} sent, {row['num_refused']} refused, {row['num_ok']} answered,"
-        f" {row['num_unfinished']} unfinished; TTFT p50/p99 {_ms(ttft['p50'])}/{_ms(ttft['p99'])}"
-        f" ms, TPOT p99 {_ms(tpot['p99'])} ms, goodput "
+        f" {row['num_unfinished']} unfinished; TTFT p50/p99 "
+        f"{fmt_ms(ttft['p50'])}/{fmt_ms(ttft['p99'])}"
+        f" ms, TPOT p99 {fmt_ms(tpot['p99'])} ms, goodput "
         + ("-" if row["goodput"] is None else f"{row['goodput']:.0%}")
     )
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.0f}"
 
 
 def verdict(result: dict[str, Any], ttft_target_s: float) -> dict[str, Any]:
@@ -225,8 +216,8 @@ def table(results: list[dict[str, Any]], cal: Calibration) -> str:
                     str(row["num_refused"]),
                     str(row["num_ok"]),
                     str(row["num_unfinished"]),
-                    f"{_ms(ttft['p50'])}/{_ms(ttft['p99'])}",
-                    f"{_ms(tpot['p50'])}/{_ms(tpot['p99'])}",
+                    f"{fmt_ms(ttft['p50'])}/{fmt_ms(ttft['p99'])}",
+                    f"{fmt_ms(tpot['p50'])}/{fmt_ms(tpot['p99'])}",
                     "-" if row["goodput"] is None else f"{row['goodput']:.0%}",
                 ]
             )

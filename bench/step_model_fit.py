@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from offline_throughput import cpu_busy_fraction, format_table, machine_info
+from common.results import BUSY_WARNING, cpu_busy_fraction, format_table, machine_info
 
 from tokenfleet import envs
 from tokenfleet.checkpoint.bundled import prepare_bundled_model
@@ -69,7 +69,6 @@ MODELS = {
     # Not in the library: what the two regimes of this CPU's matmuls cost the model.
     SMALL_BATCH: TERMS,
 }
-BUSY_WARNING = 0.1
 
 
 def draw_requests(num_requests: int, num_long: int, seed: int) -> list[tuple[list[int], int]]:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from matmul_rows import timed
-from offline_throughput import run_and_write
+from common.results import run_and_write
+from common.timing import timed
 
 from tokenfleet import envs, kernels
 from tokenfleet.checkpoint.bundled import prepare_bundled_model

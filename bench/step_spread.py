@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from offline_throughput import run_and_write
+from common.results import run_and_write
+from common.stats import nearest_rank
 from tqdm import tqdm
 
 from tokenfleet import envs
@@ -53,11 +54,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--num-threads", type=int, default=1, help="torch threads (default %(default)s)")
     add("--out", type=Path, default=Path("bench/results"))
     return parser.parse_args(argv)
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -120,7 +116,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row = {
             "case": name,
             "p50_s": p50,
-            "p99_s": percentile(values, 0.99),
+            "p99_s": nearest_rank(values, 0.99),
             "max_s": top,
             "max_over_p50": top / p50,
             "p50_over_target": p50 / target,
