@@ -10,6 +10,9 @@ import pytest
 # A real PostgreSQL for the batch store's tests (postgres_url), where one is given.
 pytest_plugins = ("support.postgres",)
 
+# Set by .ci/run: under CI nothing the project ships may be left out, so a skip fails.
+UNDER_CI = os.environ.get("TOKENFLEET_CI") == "1"
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -26,6 +29,28 @@ def model_folder() -> Path:
     from tokenfleet.checkpoint.bundled import prepare_bundled_model
 
     return prepare_bundled_model(envs.cache_dir() / "models", progress=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> pytest.TestReport:
+    """Under CI (TOKENFLEET_CI=1) a skip, in setup or in the test, is reported as a failure."""
+    report: pytest.TestReport = yield
+    if UNDER_CI and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI (TOKENFLEET_CI=1), which allows no skip: {reason}"
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport:
+    """Under CI a module that skips itself whole (pytest.skip, importorskip) fails too."""
+    report: pytest.CollectReport = yield
+    if UNDER_CI and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI (TOKENFLEET_CI=1), which allows no skip: {reason}"
+    return report
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -6,7 +6,6 @@ import json
 import logging
 import multiprocessing
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -163,25 +162,32 @@ def test_two_racing_creates_with_one_idempotency_key_make_one_batch(
     url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="tokenfleet.batch.store")
-    inserting, second_started = threading.Event(), threading.Event()
+    inserting, second_writing = threading.Event(), threading.Event()
     created: dict[str, BatchRow] = {}
 
     def slow_requests() -> Iterator[NewRequest]:
         yield from new_requests(1500)
         inserting.set()
-        second_started.wait(10)
-        time.sleep(0.5)  # the second create is now past its look-up, at its insert
+        # The first create holds its transaction open until the second is past its look-up
+        # (which found nothing) and at its own write, where it waits for this one.
+        assert second_writing.wait(60), "the second create never got to its write"
         yield from new_requests(10)
 
     stores = [BatchStore(url), BatchStore(url)]  # migrated here, not in the race
+
+    @event.listens_for(stores[1].engine, "before_cursor_execute")
+    def at_write(conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        # The first statement the second store sends outside a read-only transaction (its
+        # look-up is one): SQLite's BEGIN IMMEDIATE, PostgreSQL's INSERT of the batch.
+        if not conn.get_execution_options().get("tokenfleet_read_only", False):
+            second_writing.set()
 
     def first() -> None:
         batch = new_batch("msgbatch_1", idempotency_key="k")
         created["first"] = stores[0].create_batch(batch, slow_requests())
 
     def second() -> None:
-        inserting.wait(10)
-        second_started.set()
+        assert inserting.wait(60), "the first create never got to its requests"
         batch = new_batch("msgbatch_2", idempotency_key="k")
         created["second"] = stores[1].create_batch(batch, new_requests(7))
 

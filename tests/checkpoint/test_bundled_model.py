@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -458,6 +457,8 @@ def test_transformers_auto_tokenizer_on_folder(
 
 
 # --- caching, idempotence and atomic installation ----------------------------------------
+# Tests named ..._with_a_fake_converter (marker `fake`) put a stand-in that writes a tag
+# file, or crashes, in place of the GGUF conversion; _refuse_convert only trips if called.
 
 
 def _fake_convert(tag: str) -> Callable[..., None]:
@@ -473,13 +474,19 @@ def _refuse_convert(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
 
 
 def test_second_call_returns_at_once_without_rewriting(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, gguf_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """At once: nothing converted, and the source not even hashed unless its mtime moved
+    since the conversion (a reinstall), which takes one hash; nothing rewritten."""
     before = _stats(model_dir)
+    marker = json.loads((model_dir / MARKER).read_text())
+    reinstalled = marker["mtime_ns"] != gguf_path.stat().st_mtime_ns
+    hashed: list[Path] = []
+    sha256 = bundled_model._sha256
+    monkeypatch.setattr(bundled_model, "_sha256", lambda path: hashed.append(path) or sha256(path))
     monkeypatch.setattr(bundled_model, "_convert", _refuse_convert)
-    start = time.perf_counter()
     assert prepare_bundled_model(model_dir.parent, progress=False) == model_dir
-    assert time.perf_counter() - start < 1.0
+    assert len(hashed) == (1 if reinstalled else 0)
     assert _stats(model_dir) == before
 
 
@@ -495,7 +502,8 @@ def test_folder_without_marker_is_rebuilt(tmp_path: Path, model_dir: Path) -> No
     assert _leftovers(tmp_path) == []
 
 
-def test_marker_tracks_source_file(
+@pytest.mark.fake("converter")
+def test_marker_tracks_source_file_with_a_fake_converter(
     tmp_path: Path, gguf_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = tmp_path / "src" / GGUF_FILENAME
@@ -530,7 +538,10 @@ def test_marker_tracks_source_file(
     assert _leftovers(cache) == []
 
 
-def test_force_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.fake("converter")
+def test_force_rebuilds_with_a_fake_converter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(bundled_model, "_convert", _fake_convert("old"))
     folder = prepare_bundled_model(tmp_path, progress=False)
     monkeypatch.setattr(bundled_model, "_convert", _fake_convert("new"))
@@ -540,7 +551,10 @@ def test_force_rebuilds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert _leftovers(tmp_path) == []
 
 
-def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.fake("converter")
+def test_failed_conversion_leaves_nothing_with_a_fake_converter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def crash(gguf_path: Path, out_dir: Path, *, progress: bool) -> None:
         out_dir.mkdir()
         (out_dir / "config.json").write_text("{}")
@@ -552,7 +566,8 @@ def test_failed_conversion_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Mo
     assert list(tmp_path.iterdir()) == []
 
 
-def test_losing_a_race_keeps_the_winners_folder(
+@pytest.mark.fake("converter")
+def test_losing_a_race_keeps_the_winners_folder_with_a_fake_converter(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[str] = []

@@ -18,6 +18,9 @@ from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
+# Every test here steps the scheduler with the FakeModelRunner (names test_fake_runner_...).
+pytestmark = pytest.mark.fake("runner")
+
 SP = SamplingParams()
 
 

@@ -182,7 +182,8 @@ def scheduled_counts(run: Run) -> list[dict[str, int]]:
 # -- admission and the token budget --------------------------------------------------
 
 
-def test_interactive_admitted_and_served_before_an_earlier_batch_request() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_interactive_admitted_and_served_before_an_earlier_batch_request() -> None:
     run = make_run(num_blocks=16, budget=4)
     run.add("b", [1, 2, 3, 4, 5, 6], BATCH, max_tokens=2)
     run.add("i", [7, 8, 9], INTERACTIVE, max_tokens=3)
@@ -200,7 +201,8 @@ def test_interactive_admitted_and_served_before_an_earlier_batch_request() -> No
     }
 
 
-def test_waiting_interactive_prompt_goes_before_running_batch_decodes() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_waiting_interactive_prompt_goes_before_running_batch_decodes() -> None:
     run = make_run(num_blocks=16, budget=4)
     run.add("b1", [1, 2], BATCH, max_tokens=6)
     run.add("b2", [3], BATCH, max_tokens=6)
@@ -225,7 +227,8 @@ def test_waiting_interactive_prompt_goes_before_running_batch_decodes() -> None:
     assert run.scheduler.num_preemptions == 0
 
 
-def test_step_order_interactive_running_then_waiting_then_batch_running_then_waiting() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_step_order_interactive_then_batch_each_running_then_waiting() -> None:
     run = make_run(num_blocks=32, budget=3)
     run.add("b1", [1], BATCH, max_tokens=4)
     run.step()
@@ -249,7 +252,8 @@ def test_step_order_interactive_running_then_waiting_then_batch_running_then_wai
     ]
 
 
-def test_fcfs_within_a_class() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_fcfs_within_a_class() -> None:
     run = make_run(num_blocks=32, budget=100, max_num_seqs=1)
     for req_id, priority in [
         ("b1", BATCH),
@@ -263,7 +267,10 @@ def test_fcfs_within_a_class() -> None:
     assert scheduled_counts(run) == [{"i1": 2}, {"i2": 2}, {"b1": 2}, {"b2": 2}]
 
 
-def test_long_interactive_prompt_leaves_room_for_waiting_ones_then_takes_the_rest() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_long_interactive_prompt_leaves_room_for_waiting_ones_then_takes_the_rest() -> (
+    None
+):
     """Head-of-line blocking: a running 40-token prompt takes at most the threshold (4)
     while interactive requests wait; they get the rest of the 10-token budget, and what
     they leave goes back to the long prompt in the same step. Without waiting ones, or
@@ -287,7 +294,8 @@ def test_long_interactive_prompt_leaves_room_for_waiting_ones_then_takes_the_res
     assert run.tokens["s1"] == reference_generate([1, 2, 3], 2)
 
 
-def test_long_prefill_threshold_zero_is_off_and_negative_is_refused() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_long_prefill_threshold_zero_is_off_and_negative_is_refused() -> None:
     run = make_run(num_blocks=64, budget=10, long_prefill_threshold=0)
     run.add("long", list(range(40)), INTERACTIVE, max_tokens=1)
     run.step()
@@ -305,7 +313,8 @@ def test_long_prefill_threshold_zero_is_off_and_negative_is_refused() -> None:
 # -- the harvest budget ----------------------------------------------------------------
 
 
-def test_batch_token_budget_caps_batch_and_never_interactive() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_batch_token_budget_caps_batch_and_never_interactive() -> None:
     run = make_run(num_blocks=32, budget=100)
     run.add("i", [1, 2, 3, 4, 5, 6], INTERACTIVE, max_tokens=4)
     run.add("b1", list(range(10, 20)), BATCH, max_tokens=2)
@@ -338,7 +347,8 @@ def test_batch_token_budget_must_not_be_negative() -> None:
 # -- preemption ----------------------------------------------------------------------
 
 
-def test_waiting_interactive_preempts_newest_batch_when_blocks_run_out() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_waiting_interactive_preempts_newest_batch_when_blocks_run_out() -> None:
     run = make_run(num_blocks=6)
     run.add("b1", [1, 2, 3, 4], BATCH, max_tokens=3)
     b2 = run.add("b2", [5, 6, 7, 8], BATCH, max_tokens=3)
@@ -370,7 +380,8 @@ def test_waiting_interactive_preempts_newest_batch_when_blocks_run_out() -> None
     assert run.scheduler.num_preemptions_by_priority == {INTERACTIVE: 0, BATCH: 2}
 
 
-def test_waiting_interactive_preempts_newest_batch_for_a_sequence_slot() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_waiting_interactive_preempts_newest_batch_for_a_sequence_slot() -> None:
     run = make_run(num_blocks=32, max_num_seqs=2)
     run.add("b1", [1, 2], BATCH, max_tokens=4)
     run.add("b2", [3, 4], BATCH, max_tokens=4)
@@ -388,7 +399,8 @@ def test_waiting_interactive_preempts_newest_batch_for_a_sequence_slot() -> None
     assert run.tokens["b2"] == reference_generate([3, 4], 4)
 
 
-def test_batch_never_preempts_interactive() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_batch_never_preempts_interactive() -> None:
     run = make_run(num_blocks=4, budget=100)
     run.add("b", [1, 2], BATCH, max_tokens=5)
     run.step()
@@ -410,7 +422,8 @@ def test_batch_never_preempts_interactive() -> None:
     }
 
 
-def test_running_interactive_preempts_batch_first_then_newest_interactive() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_running_interactive_preempts_batch_first_then_newest_interactive() -> None:
     run = make_run(num_blocks=5)
     run.add("i1", [1, 2], INTERACTIVE, max_tokens=6)
     run.add("b", [3, 4], BATCH, max_tokens=6)
@@ -458,7 +471,8 @@ def test_running_interactive_preempts_batch_first_then_newest_interactive() -> N
     ("caching", "num_recomputed", "block_ids"),
     [(True, 2, [0, 1, 2, 6]), (False, 8, [6, 7, 3, 2])],
 )
-def test_preempted_batch_resumes_ahead_of_later_batch_and_recomputes_its_uncached_tail(
+@pytest.mark.fake("runner")
+def test_fake_runner_preempted_batch_resumes_ahead_of_later_batch_and_recomputes_its_uncached_tail(
     caching: bool, num_recomputed: int, block_ids: list[int]
 ) -> None:
     run = make_run(num_blocks=8, max_num_seqs=1, caching=caching)
@@ -492,7 +506,8 @@ def test_preempted_batch_resumes_ahead_of_later_batch_and_recomputes_its_uncache
     ("reserve_max_fraction", "preemptions"),
     [(0.0, {"b0": 1, "b1": 4, "b2": 2}), (0.5, {"b1": 1, "b2": 3})],
 )
-def test_mixed_load_preempts_only_batch_and_the_reserve_cuts_the_churn(
+@pytest.mark.fake("runner")
+def test_fake_runner_mixed_load_preempts_only_batch_and_the_reserve_cuts_the_churn(
     reserve_max_fraction: float, preemptions: dict[str, int]
 ) -> None:
     run = make_run(
@@ -541,7 +556,8 @@ def _preemptions(run: Run) -> dict[str, int]:
 # -- the interactive reserve -----------------------------------------------------------
 
 
-def test_batch_cannot_take_the_reserved_blocks_but_interactive_can() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_batch_cannot_take_the_reserved_blocks_but_interactive_can() -> None:
     run = make_run(num_blocks=10, budget=4, reserve_min_blocks=3, reserve_max_fraction=0.5)
     i0 = run.add("i0", [1, 2], INTERACTIVE, max_tokens=12)
     b = run.add("b", list(range(10, 26)), BATCH, max_tokens=1)
@@ -578,7 +594,8 @@ def test_batch_cannot_take_the_reserved_blocks_but_interactive_can() -> None:
     }
 
 
-def test_reserve_follows_interactive_demand_and_decays_after_the_window() -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_reserve_follows_interactive_demand_and_decays_after_the_window() -> None:
     run = make_run(num_blocks=10, block_size=8, reserve_max_fraction=0.5, reserve_window_s=10.0)
     run.add("b0", [1], BATCH, max_tokens=30)
     run.add("i", list(range(100, 132)), INTERACTIVE, max_tokens=1)  # 4 blocks, for one step
@@ -734,7 +751,10 @@ def workloads(draw: st.DrawFn) -> Workload:
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads())
-def test_random_mixed_classes_respect_the_rules_and_match_reference(workload: Workload) -> None:
+@pytest.mark.fake("runner")
+def test_fake_runner_random_mixed_classes_respect_the_rules_and_match_reference(
+    workload: Workload,
+) -> None:
     run = make_run(**workload.settings)
     requests = workload.requests
     pending = sorted(range(len(requests)), key=lambda i: requests[i][2])

@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import os
 import signal
-from collections.abc import AsyncGenerator, AsyncIterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 
 import msgspec
@@ -18,7 +19,13 @@ from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import CacheConfig, EngineConfig
 from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreRequest
 from tokenfleet.engine.client import AsyncEngineClient, EngineDeadError
-from tokenfleet.engine.process import ARRIVAL_GAP_MS, BURST_GAP_MS, arrival_gap_ms
+from tokenfleet.engine.process import (
+    ARRIVAL_GAP_MS,
+    ARRIVAL_WINDOW_MAX_S,
+    ARRIVAL_WINDOW_STEP_SHARE,
+    BURST_GAP_MS,
+    arrival_gap_ms,
+)
 from tokenfleet.engine.wire import AbortRequests, AddRequests, EngineInput
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.server.service import PendingRequests
@@ -46,6 +53,19 @@ async def _collect(client: AsyncEngineClient, req_id: str, prompt: list[int], n:
     async for out in client.generate(EngineCoreRequest(req_id, prompt, params, 0.0)):
         tokens += out.new_token_ids
     return tokens
+
+
+async def _until(condition: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll `condition` until it holds; fail after `timeout` seconds (generous: a slow
+    machine only makes it take longer)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not true after {timeout} s"
+        await asyncio.sleep(0.02)
+
+
+def _idle(client: AsyncEngineClient) -> bool:
+    return client.stats is not None and client.stats.num_running == 0
 
 
 async def _start_long_stream(
@@ -88,10 +108,7 @@ def test_abandoned_stream_is_aborted_and_frees_blocks(model_folder: Path) -> Non
         async with _running(model_folder) as client:
             stream = await _start_long_stream(client, "long", 500)
             await stream.aclose()  # what a client disconnect does to the handler
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if client.stats and client.stats.num_running == 0:
-                    break
+            await _until(lambda: _idle(client))
             assert client.stats is not None
             assert client.stats.num_running == 0
             assert client.stats.num_kv_blocks_used == 0
@@ -112,10 +129,7 @@ def test_submitted_request_closed_before_any_output_is_aborted(model_folder: Pat
             await outputs.aclose()
             with pytest.raises(StopAsyncIteration):
                 await anext(outputs)
-            for _ in range(100):
-                await asyncio.sleep(0.05)
-                if client.stats and client.stats.num_running == 0:
-                    break
+            await _until(lambda: _idle(client))
             assert client.stats is not None
             assert (client.stats.num_running, client.stats.num_waiting) == (0, 0)
             assert client.stats.num_kv_blocks_used == 0
@@ -177,17 +191,28 @@ def test_an_idle_engine_waits_for_what_the_sender_says_is_on_its_way(
 
 def test_a_request_on_its_way_joins_the_first_step(model_folder: Path) -> None:
     """An idle engine told that another request is on its way (AddRequests.num_pending)
-    waits for it within its arrival window (here 100 ms: the last step was a long prefill)
-    and starts one step with both; told that none is, it waits ARRIVAL_GAP_MS and a request
-    50 ms later gets a step of its own. Outputs of one step share their `arrived`."""
+    waits for it within its arrival window and starts one step with both; told that none
+    is, it waits only ARRIVAL_GAP_MS, and a request sent later within the window gets a step
+    of its own. Outputs of one step share their `arrived`.
+
+    The window is a time: the engine's own behaviour, min(ARRIVAL_WINDOW_MAX_S,
+    ARRIVAL_WINDOW_STEP_SHARE x its last step). The second request is sent at a point
+    inside it with wide margins on both sides, placed from the window this run's last step
+    gives: a quarter of the way in when it is announced (it must come before the window
+    ends), half way in when it is not (it must come after the ARRIVAL_GAP_MS gap)."""
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 
     async def same_first_step(client: AsyncEngineClient, num_pending: int) -> bool:
-        await _collect(client, f"long-{num_pending}", [100] * 400, 1)  # a step of 100s of ms
+        # A long prefill (a prompt of its own: no prefix-cache hit) is the engine's last step.
+        started = time.monotonic()
+        await _collect(client, f"long-{num_pending}", [100 + num_pending] * 400, 1)
+        step_s = time.monotonic() - started  # one step, and the way there and back
+        window_s = min(ARRIVAL_WINDOW_MAX_S, ARRIVAL_WINDOW_STEP_SHARE * step_s)
+        assert window_s >= 0.02, f"a {step_s:.3f} s step gives no window to place a request in"
         first = await client.submit(
             EngineCoreRequest(f"a{num_pending}", PROMPTS[0], params, 0.0), num_pending
         )
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(window_s / 4 if num_pending else window_s / 2)
         second = await client.submit(
             EngineCoreRequest(f"b{num_pending}", PROMPTS[1], params, 0.0), 0
         )
@@ -250,7 +275,8 @@ def test_pending_requests_counts_the_server_requests_not_yet_at_the_engine() -> 
     asyncio.run(main())
 
 
-def test_requests_submitted_in_one_turn_reach_the_engine_in_two_messages(
+@pytest.mark.fake("engine")
+def test_requests_submitted_in_one_turn_reach_a_fake_engine_in_two_messages(
     model_folder: Path,
 ) -> None:
     """A turn of the event loop's first request goes at once (the engine starts its arrival

@@ -403,6 +403,9 @@ def test_scheduler_caps_prompt_chunks_not_decodes() -> None:
 
 
 # -- the engine --------------------------------------------------------------------------
+# On the fixed runner (marker `fake`, names test_fixed_runner_...): the real engine and
+# scheduler, a runner that answers a fixed token without the model, and the hand-set MODEL
+# in place of the start-up profile's fit, so that every plan is known exactly.
 
 
 def _request(req_id: str, prompt: list[int], max_tokens: int, priority: int) -> EngineCoreRequest:
@@ -444,7 +447,8 @@ def _recording_engine(
     return engine, outs
 
 
-def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
+@pytest.mark.fake("runner")
+def test_fixed_runner_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
     batch_left: list[int] = []  # batch tokens still to compute before each step
 
     def count_batch_left(scheduler: Scheduler) -> None:
@@ -507,7 +511,8 @@ def test_engine_packs_batch_within_the_tpot_target(model_folder: Path) -> None:
     assert stats.batch_token_budget == 256
 
 
-def test_engine_keeps_steps_of_batch_alone_within_the_batch_step_limit(
+@pytest.mark.fake("runner")
+def test_fixed_runner_engine_keeps_steps_of_batch_alone_within_the_batch_step_limit(
     model_folder: Path,
 ) -> None:
     config = _engine_config(model_folder, 512, batch_step_limit_s=LIMIT * TICK)
@@ -523,7 +528,10 @@ def test_engine_keeps_steps_of_batch_alone_within_the_batch_step_limit(
     assert MODEL.predict(StepFeatures.of_chunk(493, 592)) > LIMIT * TICK
 
 
-def test_engine_cuts_a_long_prompt_to_keep_streams_within_the_target(model_folder: Path) -> None:
+@pytest.mark.fake("runner")
+def test_fixed_runner_engine_cuts_a_long_prompt_to_keep_streams_within_the_target(
+    model_folder: Path,
+) -> None:
     engine, outs = _recording_engine(_engine_config(model_folder, 512, min_prefill_chunk=16))
     for n in range(3):
         engine.add_request(_request(f"s{n}", [200 + n] * 40, 400, PRIORITY_INTERACTIVE))
@@ -545,7 +553,8 @@ def test_engine_cuts_a_long_prompt_to_keep_streams_within_the_target(model_folde
     assert 16 < chunks[0] < chunks[1] < 512
 
 
-def test_engine_times_each_first_token_from_the_step_after_taking_the_request(
+@pytest.mark.fake("runner")
+def test_fixed_runner_engine_times_each_first_token_from_the_step_after_taking_the_request(
     model_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The engine's own TTFT (what the gateway's overhead is measured against): from the
@@ -659,7 +668,8 @@ def test_metrics_export_classes_reserve_and_budget() -> None:
         ("fcfs", {"b0": 256}, {"b0": 44, "i0": 40}),
     ],
 )
-def test_fcfs_policy_is_arrival_order_without_a_harvest_budget(
+@pytest.mark.fake("runner")
+def test_fixed_runner_fcfs_policy_is_arrival_order_without_a_harvest_budget(
     model_folder: Path,
     policy: str,
     first_step: dict[str, int],

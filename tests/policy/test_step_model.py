@@ -325,7 +325,8 @@ class _FakeRunner:
         self.now += float(step_features(so).vector() @ TRUE)
 
 
-def test_profile_times_each_step_and_leaves_the_pool_as_it_found_it() -> None:
+@pytest.mark.fake("runner")
+def test_profile_times_each_step_and_leaves_the_pool_as_it_found_it_on_a_fake_runner() -> None:
     pool = BlockPool(300)
     pool.get_new_blocks(3)  # blocks 0..2 stay in use throughout
     before = [b.block_id for b in pool.free_queue]
@@ -342,7 +343,8 @@ def test_profile_times_each_step_and_leaves_the_pool_as_it_found_it() -> None:
     np.testing.assert_allclose(fit_coefficients(samples), TRUE, rtol=1e-6)
 
 
-def test_profile_skips_steps_that_would_run_past_its_time_cap() -> None:
+@pytest.mark.fake("runner")
+def test_profile_skips_steps_that_would_run_past_its_time_cap_on_a_fake_runner() -> None:
     pool = BlockPool(300)
     plan = _plan()
     runner = _FakeRunner(pool, 16)
@@ -376,7 +378,8 @@ def test_profile_on_the_bundled_model(model_folder: Path) -> None:
 # -- the engine and /metrics ---------------------------------------------------------------
 
 
-def test_engine_steps_feed_the_model_and_stats_carry_it(model_folder: Path) -> None:
+@pytest.mark.fake("runner")
+def test_fixed_runner_engine_steps_feed_the_model_and_stats_carry_it(model_folder: Path) -> None:
     engine = EngineCore(EngineConfig(model=str(model_folder), runner="fixed"))
     assert engine.step_model.prior == []  # nothing to profile
     stats = engine.stats()

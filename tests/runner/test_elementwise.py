@@ -15,9 +15,13 @@ from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.loader import load_model
 from tokenfleet.models.rope import apply_rope, rope_cos_sin
 
-pytestmark = pytest.mark.skipif(
-    kernels.elementwise_lib() is None, reason="no C compiler for the element-wise kernels"
-)
+
+@pytest.fixture(autouse=True)
+def _the_kernels_built() -> None:
+    # The project ships these kernels: production falls back to torch when they do not
+    # build, but the tests fail, so that a broken kernel (or a missing compiler) shows.
+    if kernels.elementwise_lib() is None:
+        pytest.fail("the element-wise C kernels did not build: is a C compiler installed?")
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

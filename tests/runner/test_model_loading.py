@@ -15,9 +15,11 @@ import tokenfleet.runner.model_runner
 from tokenfleet import LLM
 
 
-def test_kv_blocks_come_from_a_fraction_of_free_memory(
+@pytest.mark.fake("free memory probe")
+def test_kv_blocks_come_from_a_fraction_of_free_memory_as_a_fake_probe_reports_it(
     model_folder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The machine's free memory is whatever it is: a stand-in probe reports 1 GB.
     monkeypatch.setattr(tokenfleet.runner.model_runner, "free_device_memory", lambda device: 10**9)
     llm = LLM(str(model_folder), kv_cache_memory_fraction=0.05)
     bytes_per_block = 2 * 30 * 3 * 64 * 4 * 16  # K and V, 30 layers, 3 KV heads, fp32

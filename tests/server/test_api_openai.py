@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.live_server import MODEL, LiveServer, live_server
+from support.live_server import GENERATED_TOKENS, HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.llm import RequestOutput
@@ -100,7 +100,7 @@ def _metrics_text(server: LiveServer) -> str:
 
 def _wait_for_gauges(server: LiveServer) -> None:
     """The engine gauges appear with the engine's first step message (a heartbeat when idle)."""
-    _wait_for(lambda: "tokenfleet_kv_blocks_total " in _metrics_text(server), 5, "engine gauges")
+    _wait_for(lambda: "tokenfleet_kv_blocks_total " in _metrics_text(server), 60, "engine gauges")
 
 
 def _samples(server: LiveServer) -> list[tuple[str, dict[str, str], float]]:
@@ -611,7 +611,7 @@ def test_completions_echo_with_the_prompts_logprobs(server: LiveServer, ref: Ref
     )
     _assert_usage(scored_only.usage, len(prompt_ids), 0)
     body = {"model": MODEL, "prompt": PROMPT_2, "max_tokens": 0}
-    error = _error(httpx.post(server.url + CMPL_ROUTE, json=body), 400)
+    error = _error(httpx.post(server.url + CMPL_ROUTE, json=body, timeout=HTTP_TIMEOUT_S), 400)
     assert error["param"] == "max_tokens" and "echo" in error["message"]
 
 
@@ -747,6 +747,7 @@ def test_malformed_json(server: LiveServer) -> None:
         server.url + CHAT_ROUTE,
         content=b'{"model": "smollm2-135m-instruct", "messages": [',
         headers={"content-type": "application/json"},
+        timeout=HTTP_TIMEOUT_S,
     )
     error = _error(r, 400)
     assert error["type"] == "invalid_request_error"
@@ -755,7 +756,9 @@ def test_malformed_json(server: LiveServer) -> None:
 
 
 def test_missing_messages(server: LiveServer) -> None:
-    error = _error(httpx.post(server.url + CHAT_ROUTE, json={"model": MODEL}), 400)
+    error = _error(
+        httpx.post(server.url + CHAT_ROUTE, json={"model": MODEL}, timeout=HTTP_TIMEOUT_S), 400
+    )
     assert error["type"] == "invalid_request_error" and error["param"] == "messages"
     assert "messages" in error["message"]
     with pytest.raises(openai.BadRequestError) as info:
@@ -766,11 +769,17 @@ def test_missing_messages(server: LiveServer) -> None:
 
 
 def test_wrong_type(server: LiveServer) -> None:
-    r = httpx.post(server.url + CHAT_ROUTE, json=_chat_body(EOS_CHAT, max_tokens="x"))
+    r = httpx.post(
+        server.url + CHAT_ROUTE, json=_chat_body(EOS_CHAT, max_tokens="x"), timeout=HTTP_TIMEOUT_S
+    )
     error = _error(r, 400)
     assert error["param"] == "max_tokens" and "max_tokens" in error["message"]
     assert error["type"] == "invalid_request_error"
-    r = httpx.post(server.url + CMPL_ROUTE, json={"model": MODEL, "prompt": PROMPT, "n": "many"})
+    r = httpx.post(
+        server.url + CMPL_ROUTE,
+        json={"model": MODEL, "prompt": PROMPT, "n": "many"},
+        timeout=HTTP_TIMEOUT_S,
+    )
     assert _error(r, 400)["param"] == "n"
     _assert_answers(server)
 
@@ -788,7 +797,7 @@ def test_stream_options_without_stream_is_refused(server: LiveServer) -> None:
         ),
         (CHAT_ROUTE, _chat_body(EOS_CHAT, max_tokens=2, stream=False, stream_options=options)),
     ]:
-        error = _error(httpx.post(server.url + route, json=body), 400)
+        error = _error(httpx.post(server.url + route, json=body, timeout=HTTP_TIMEOUT_S), 400)
         assert error == {
             "message": message,
             "type": "invalid_request_error",
@@ -828,6 +837,7 @@ def test_context_length_exceeded(server: LiveServer, ref: Reference) -> None:
     r = httpx.post(
         server.url + CMPL_ROUTE,
         json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 123456},
+        timeout=HTTP_TIMEOUT_S,
     )
     error = _error(r, 400)
     assert "3 tokens" in error["message"] and "123456" in error["message"]
@@ -891,7 +901,7 @@ def test_stop_token_ids_end_the_choice_at_that_token(server: LiveServer, ref: Re
     assert r.choices[0].message.content == ref.llm.tokenizer.decode(greedy.token_ids[:k])
     _assert_usage(r.usage, len(greedy.prompt_token_ids), k + 1)
     body = _chat_body(EOS_CHAT, stop_token_ids=[49152])
-    error = _error(httpx.post(server.url + CHAT_ROUTE, json=body), 400)
+    error = _error(httpx.post(server.url + CHAT_ROUTE, json=body, timeout=HTTP_TIMEOUT_S), 400)
     assert error["param"] == "stop_token_ids" and "49152" in error["message"]
 
 
@@ -912,7 +922,10 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
     ]
     for fields, param in refused_chat:
         error = _error(
-            httpx.post(server.url + CHAT_ROUTE, json=_chat_body(EOS_CHAT, **fields)), 400
+            httpx.post(
+                server.url + CHAT_ROUTE, json=_chat_body(EOS_CHAT, **fields), timeout=HTTP_TIMEOUT_S
+            ),
+            400,
         )
         assert error["param"] == param, fields
         assert error["message"].startswith(f"{param}: "), error
@@ -921,10 +934,14 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]},
         {"role": "user", "content": "and then?"},
     ]
-    error = _error(httpx.post(server.url + CHAT_ROUTE, json=_chat_body(tool_turn)), 400)
+    error = _error(
+        httpx.post(server.url + CHAT_ROUTE, json=_chat_body(tool_turn), timeout=HTTP_TIMEOUT_S), 400
+    )
     assert error["param"] == "messages.0.tool_calls"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
-    error = _error(httpx.post(server.url + CHAT_ROUTE, json=_chat_body(image)), 400)
+    error = _error(
+        httpx.post(server.url + CHAT_ROUTE, json=_chat_body(image), timeout=HTTP_TIMEOUT_S), 400
+    )
     assert error["param"] == "messages.0.content"
     assert error["message"] == (
         "messages.0.content: block 0 is of type 'image_url': this model takes only 'text' content"
@@ -935,7 +952,12 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
         ({"min_tokens": 3}, "min_tokens"),
     ]:
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, **fields}
-        assert _error(httpx.post(server.url + CMPL_ROUTE, json=body), 400)["param"] == param
+        assert (
+            _error(httpx.post(server.url + CMPL_ROUTE, json=body, timeout=HTTP_TIMEOUT_S), 400)[
+                "param"
+            ]
+            == param
+        )
     with pytest.raises(openai.BadRequestError) as info:
         _client(server).chat.completions.create(
             model=MODEL,
@@ -957,10 +979,11 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
             repetition_penalty=1.0,
             min_p=0,
         ),
+        timeout=HTTP_TIMEOUT_S,
     )
     assert r.status_code == 200, r.text
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "echo": False, "best_of": 1}
-    assert httpx.post(server.url + CMPL_ROUTE, json=body).status_code == 200
+    assert httpx.post(server.url + CMPL_ROUTE, json=body, timeout=HTTP_TIMEOUT_S).status_code == 200
     _assert_answers(server)
 
 
@@ -968,7 +991,10 @@ def test_body_too_large(server: LiveServer) -> None:
     padding = "a" * (8 * 2**20 + 1)
     body = json.dumps(_chat_body(EOS_CHAT, user=padding)).encode()
     r = httpx.post(
-        server.url + CHAT_ROUTE, content=body, headers={"content-type": "application/json"}
+        server.url + CHAT_ROUTE,
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=HTTP_TIMEOUT_S,
     )
     error = _error(r, 413)
     assert error["code"] == "request_too_large"
@@ -979,7 +1005,10 @@ def test_body_too_large(server: LiveServer) -> None:
             yield body[i : i + (1 << 20)]
 
     r = httpx.post(
-        server.url + CMPL_ROUTE, content=chunks(), headers={"content-type": "application/json"}
+        server.url + CMPL_ROUTE,
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=HTTP_TIMEOUT_S,
     )
     assert "content-length" not in r.request.headers
     assert _error(r, 413)["code"] == "request_too_large"
@@ -987,14 +1016,14 @@ def test_body_too_large(server: LiveServer) -> None:
 
 
 def test_unknown_path_and_wrong_method(server: LiveServer) -> None:
-    error = _error(httpx.post(server.url + "/v1/nothing", json={}), 404)
+    error = _error(httpx.post(server.url + "/v1/nothing", json={}, timeout=HTTP_TIMEOUT_S), 404)
     assert error == {
         "message": "invalid URL (POST /v1/nothing)",
         "type": "invalid_request_error",
         "param": None,
         "code": None,
     }
-    r = httpx.get(server.url + CHAT_ROUTE)
+    r = httpx.get(server.url + CHAT_ROUTE, timeout=HTTP_TIMEOUT_S)
     assert _error(r, 405)["type"] == "invalid_request_error"
     assert r.headers["allow"] == "POST"
     _assert_answers(server)
@@ -1013,11 +1042,13 @@ def test_overloaded_is_429_with_retry_after(
         body = info.value.body
         assert isinstance(body, dict) and set(body) == ERROR_KEYS
         assert body["type"] == "server_error" and body["code"] == "overloaded"
-        r = httpx.post(s.url + CMPL_ROUTE, json={"model": MODEL, "prompt": PROMPT})
+        r = httpx.post(
+            s.url + CMPL_ROUTE, json={"model": MODEL, "prompt": PROMPT}, timeout=HTTP_TIMEOUT_S
+        )
         assert _error(r, 429)["code"] == "overloaded"
         assert r.headers["retry-after"] == "1"
         # Refused, not broken: still healthy, and nothing was queued.
-        assert httpx.get(s.url + "/health").status_code == 200
+        assert httpx.get(s.url + "/health", timeout=HTTP_TIMEOUT_S).status_code == 200
         _wait_for_gauges(s)
         assert s.metric("tokenfleet_num_requests_waiting") == 0
 
@@ -1043,10 +1074,13 @@ def test_engine_down_is_503_then_recovers(spare_server: LiveServer, ref: Referen
         for _ in stream:
             pass
 
-    # Requests get 503 in OpenAI's format until the engine is back.
-    deadline = time.monotonic() + 2
+    # Requests get 503 in OpenAI's format until the engine is back. The new engine takes
+    # seconds to load and profile its model, long after the first 503 (the poll's bound
+    # only catches a gateway that never notices), and the second request below is sent
+    # right after it.
+    deadline = time.monotonic() + HTTP_TIMEOUT_S
     while True:
-        r = httpx.post(spare_server.url + CHAT_ROUTE, json=body, timeout=30)
+        r = httpx.post(spare_server.url + CHAT_ROUTE, json=body, timeout=HTTP_TIMEOUT_S)
         if r.status_code == 503 or time.monotonic() > deadline:
             break
         time.sleep(0.02)
@@ -1120,12 +1154,23 @@ def test_metrics(server: LiveServer) -> None:
 # -- 10. a client that goes away --------------------------------------------------------------
 
 
+def _blocks_freed(server: LiveServer) -> bool:
+    return (
+        server.metric("tokenfleet_kv_blocks_used") == 0
+        and server.metric("tokenfleet_num_requests_running") == 0
+    )
+
+
 def test_disconnect_frees_blocks(server: LiveServer) -> None:
+    """A stream closed after a few tokens of 1000 is aborted: its blocks are freed and its
+    generation stops short. (Run to its end it would free them too: what shows the abort
+    is the token count, not how soon; the wait's bound only catches a hang.)"""
     assert server.metric("tokenfleet_kv_blocks_used") == 0
     assert server.metric("tokenfleet_num_requests_running") == 0
+    start = server.metric(GENERATED_TOKENS)
     body = _chat_body(LONG_CHAT, max_tokens=1000, temperature=0, stream=True, ignore_eos=True)
     with (
-        httpx.Client(timeout=60) as http,
+        httpx.Client(timeout=HTTP_TIMEOUT_S) as http,
         http.stream("POST", server.url + CHAT_ROUTE, json=body) as r,
     ):
         assert r.status_code == 200
@@ -1136,38 +1181,19 @@ def test_disconnect_frees_blocks(server: LiveServer) -> None:
         assert server.metric("tokenfleet_kv_blocks_used") > 0
         assert server.metric("tokenfleet_num_requests_running") == 1
     # The connection is closed: the request is aborted and its blocks freed.
-    closed = time.monotonic()
-    _wait_for(
-        lambda: (
-            server.metric("tokenfleet_kv_blocks_used") == 0
-            and server.metric("tokenfleet_num_requests_running") == 0
-        ),
-        2.5,
-        "blocks freed after the disconnect",
-    )
-    assert time.monotonic() - closed < 2.5
+    _wait_for(lambda: _blocks_freed(server), 120, "blocks freed after the disconnect")
+    assert 0 < server.metric(GENERATED_TOKENS) - start < 1000  # stopped early
     # Nothing left half-done: the next request is served normally.
     _assert_answers(server)
 
 
 def test_disconnect_frees_blocks_of_a_request_not_streamed(server: LiveServer) -> None:
-    """A client that gives up on a long non-streamed completion: its generation is aborted,
-    not run to max_tokens for no one."""
-    counter = "tokenfleet_generation_tokens_total"
-    start = server.metric(counter)
+    """A client that gives up on a long non-streamed completion (it hangs up once the
+    server is generating): its generation is aborted, not run to max_tokens for no one."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + CMPL_ROUTE, json=body, timeout=1.5)
-    _wait_for(
-        lambda: (
-            server.metric("tokenfleet_kv_blocks_used") == 0
-            and server.metric("tokenfleet_num_requests_running") == 0
-        ),
-        2.5,
-        "blocks freed after the disconnect",
-    )
-    stopped = server.metric(counter)
+    start = server.hang_up_once_generating(CMPL_ROUTE, body)
+    _wait_for(lambda: _blocks_freed(server), 120, "blocks freed after the disconnect")
+    stopped = server.metric(GENERATED_TOKENS)
     assert 0 < stopped - start < 1000  # it ran, and it was stopped early
-    time.sleep(0.3)
-    assert server.metric(counter) == stopped
-    _assert_answers(server)
+    _assert_answers(server)  # two tokens, and none more of the aborted request
+    assert server.metric(GENERATED_TOKENS) == stopped + 2

@@ -28,22 +28,24 @@ def test_lease_room_keeps_about_the_queue_target_waiting_and_never_passes_the_de
     assert lease_room(in_flight, engine_load, queue_target=8, depth=64) == room
 
 
-def test_a_result_that_arrives_during_a_commit_is_committed_in_the_next_round() -> None:
-    """The last result must not wait for another completion that may never come."""
+@pytest.mark.fake("store")
+def test_a_result_arriving_during_a_commit_is_committed_next_round_on_a_fake_store() -> None:
+    """The last result must not wait for another completion that may never come. The
+    store is a stand-in whose commit is held open until the second result is queued."""
     import asyncio
     import threading
-    import time
 
     from tokenfleet.batch.schema import LeasedRequest
     from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
 
     committed: list[list[int]] = []
-    in_commit = threading.Event()
+    in_commit, second_queued = threading.Event(), threading.Event()
 
     class SlowStore:
         def complete_many(self, outcomes: list[Any], now: float) -> int:
             in_commit.set()
-            time.sleep(0.05)
+            if not committed:  # the first commit lasts until the second result is queued
+                assert second_queued.wait(60), "the second result never came"
             committed.append([o.idx for o in outcomes])
             return len(outcomes)
 
@@ -61,18 +63,24 @@ def test_a_result_that_arrives_during_a_commit_is_committed_in_the_next_round() 
         while not in_commit.is_set():  # the first commit is now in flight
             await asyncio.sleep(0.001)
         second = asyncio.create_task(dispatcher._complete(leased(1), "succeeded", "{}"))
-        await asyncio.wait_for(asyncio.gather(first, second), timeout=5)
+        while not dispatcher._outcomes:  # the second result waits for the next round
+            await asyncio.sleep(0.001)
+        second_queued.set()
+        # Only a hang fails here (the bug: the second result waits for a third forever).
+        await asyncio.wait_for(asyncio.gather(first, second), timeout=60)
 
     asyncio.run(go())
     assert committed == [[0], [1]]
 
 
-def test_an_idle_dispatcher_only_reads_the_store_and_still_finds_another_gateways_batch(
+@pytest.mark.fake("engine")
+def test_an_idle_dispatcher_only_reads_and_finds_another_gateways_batch_on_a_fake_engine(
     tmp_path: Any,
 ) -> None:
     """With nothing running and no open batch, a tick is one read (no round of writes on
     the store's thread); a batch another gateway created (no wake here) is still found at
-    the next idle tick, run, and ended."""
+    the next idle tick, run, and ended. A real store (counted); the requests run on an echo
+    function in place of the engine."""
     import asyncio
     import json
     import time
@@ -101,7 +109,7 @@ def test_an_idle_dispatcher_only_reads_the_store_and_still_finds_another_gateway
         ran.append(params)
         return {"echo": params["i"]}
 
-    async def until(condition: Any, timeout_s: float = 10) -> None:
+    async def until(condition: Any, timeout_s: float = 60) -> None:  # only catches a hang
         deadline = time.monotonic() + timeout_s
         while not condition():
             assert time.monotonic() < deadline, dict(calls)

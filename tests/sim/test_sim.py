@@ -326,7 +326,12 @@ def test_router_follows_the_prefix_unless_the_replica_is_too_busy() -> None:
     assert router.queued_prefill_tokens == (1 + 1 + 1) + 100 + (514 + 1)
 
 
-def test_leasing_is_the_dispatchers_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.fake("lease_room")
+def test_leasing_is_the_dispatchers_rule_called_through_a_fake_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Equal to the real rule; then, with a stand-in in its place, the simulator is seen
+    to call it (and not a copy of it)."""
     for args in [(0, 0, 0), (10, 8, 2), (70, 64, 6), (3, 60, 0)]:
         assert room(*args, queue_target=8, depth=64) == lease_room(args[0], args[1:], 8, 64)
     seen: list[Any] = []

@@ -2,26 +2,65 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 MODEL = "smollm2-135m-instruct"
+# For the tests' own HTTP calls to a live server: long enough that only a hang fails (a
+# loaded machine answers late, not never); httpx's default (5 s) is not.
+HTTP_TIMEOUT_S = 60.0
+GENERATED_TOKENS = "tokenfleet_generation_tokens_total"  # counted as each step's tokens arrive
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def process_is_gone(pid: int) -> bool:
+    """Whether `pid` has exited: no such process, or a zombie no one has reaped yet (an
+    orphan's parent may be a PID 1 that never reaps)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    # The state follows the command name, which is in parentheses and may hold spaces.
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Poll until `pid` has exited; False if it is still running after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not process_is_gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def children(pid: int) -> set[int]:
+    """The pids of `pid`'s live child processes (Linux: /proc/PID/task/*/children)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found |= {int(c) for c in (task / "children").read_text().split()}
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended meanwhile
+    return {c for c in found if not process_is_gone(c)}
 
 
 @dataclass
@@ -31,11 +70,11 @@ class LiveServer:
     log: Path
 
     def engine_pid(self) -> int:
-        return int(httpx.get(f"{self.url}/health", timeout=5).json()["engine_pid"])
+        return int(httpx.get(f"{self.url}/health", timeout=HTTP_TIMEOUT_S).json()["engine_pid"])
 
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
         """The value of an unlabelled metric line in /metrics."""
-        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=5).text
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=HTTP_TIMEOUT_S).text
         for line in text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[1])
@@ -53,6 +92,37 @@ class LiveServer:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"server not healthy in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def wait_until(self, predicate: Callable[[], bool], what: str, timeout: float = 120) -> None:
+        """Poll until `predicate()` holds; the bound only catches a hang."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {timeout} s: {what}")
+            time.sleep(0.05)
+
+    def hang_up_once_generating(self, path: str, body: dict[str, Any]) -> float:
+        """POST a long non-streamed request and close the connection once the server is
+        generating its tokens (its generation counter moved): a client that gives up, at an
+        event rather than after a time that must be shorter than the generation. Returns
+        the counter before the request."""
+        before = self.metric(GENERATED_TOKENS)
+
+        async def give_up() -> None:
+            async with httpx.AsyncClient(timeout=HTTP_TIMEOUT_S) as http:
+                post = asyncio.create_task(http.post(self.url + path, json=body))
+                deadline = time.monotonic() + HTTP_TIMEOUT_S
+                while self.metric(GENERATED_TOKENS) == before:
+                    assert not post.done(), "the request ended before the client gave up"
+                    assert time.monotonic() < deadline, "no token generated"
+                    await asyncio.sleep(0.02)
+                assert not post.done(), "the request ended before the client gave up"
+                post.cancel()  # the connection is closed with it
+                with contextlib.suppress(asyncio.CancelledError):
+                    await post
+
+        asyncio.run(give_up())
+        return before
 
 
 @contextmanager

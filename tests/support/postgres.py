@@ -3,8 +3,9 @@
 The server's URL comes from TOKENFLEET_TEST_POSTGRES_URL (.ci/run sets it from
 scripts/postgres-for-tests); a URL given there that does not connect fails the tests.
 Unset, the fixture runs that script itself (outside CI without installing anything).
-Where no PostgreSQL can be had the tests skip, except under CI (the `CI` environment
-variable set), where they fail: CI never passes by leaving PostgreSQL out.
+Where no PostgreSQL can be had the tests skip, saying so, except under CI (`.ci/run` sets
+TOKENFLEET_CI=1; a `CI` environment variable counts too), where they fail: CI never passes
+by leaving PostgreSQL out (tests/conftest.py also turns any skip under CI into a failure).
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "postgres-for-tests"
 URL_VARIABLE = "TOKENFLEET_TEST_POSTGRES_URL"
 
 
+def _under_ci() -> bool:
+    return os.environ.get("TOKENFLEET_CI") == "1" or bool(os.environ.get("CI"))
+
+
 def _unavailable(why: str) -> NoReturn:
-    if os.environ.get("CI"):
+    if _under_ci():
         pytest.fail(f"PostgreSQL is required under CI: {why}")
-    pytest.skip(f"no PostgreSQL: {why}")
+    pytest.skip(
+        f"no PostgreSQL here, so the store's PostgreSQL tests are skipped (allowed only "
+        f"outside CI; set {URL_VARIABLE} or install PostgreSQL to run them): {why}"
+    )
 
 
 def _start_server() -> str:
-    argv = [str(SCRIPT)] if os.environ.get("CI") else [str(SCRIPT), "--no-install"]
+    argv = [str(SCRIPT)] if _under_ci() else [str(SCRIPT), "--no-install"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
     except (OSError, subprocess.SubprocessError) as exc:

@@ -166,6 +166,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s: %(message)s")
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Ctrl-C in a terminal reaches the whole process group: the gateway stops this engine
+    # itself (a Shutdown message, or SIGKILL through PR_SET_PDEATHSIG if it dies first).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     in_addr, out_addr, config_json = argv
     run_engine(in_addr, out_addr, msgspec.json.decode(config_json, type=EngineConfig))
     return 0
