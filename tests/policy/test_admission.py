@@ -5,6 +5,7 @@ GenerationService wired to it (batch never refused for load)."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,11 @@ from tokenfleet.policy.admission import (
     AdmissionControl,
     Decodes,
     InFlightRequests,
+    Replay,
     StepLimit,
     predict_ttft,
-    step_seconds,
 )
-from tokenfleet.policy.step_model import StepFeatures
+from tokenfleet.policy.step_model import LinearStepCost, StepFeatures
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.service import GenerationService
@@ -42,6 +43,10 @@ COEF = {
     "kv_tokens_read": D,
     "prefill_attention": E,
 }
+
+
+def step_seconds(coefficients: dict[str, float], features: StepFeatures) -> float:
+    return LinearStepCost.from_dict(coefficients).predict(features)
 
 
 def _prefill(num_tokens: int, start: int) -> float:
@@ -88,14 +93,14 @@ def test_a_long_prompt_ahead_is_cut_to_the_long_prefill_cap_while_others_wait() 
     )
 
 
-def test_running_decodes_take_budget_first_and_batch_rides_in_what_is_left() -> None:
+def test_running_decodes_of_both_classes_take_budget_first_under_fcfs() -> None:
+    """The engine schedules fcfs as one class: running batch decodes take their token
+    before a waiting prompt, as interactive ones do."""
     interactive, batch = Decodes(3, 3000), Decodes(2, 1000)
-    # Step 1: 3 interactive decodes leave 509 tokens for the 600-token prompt; nothing
-    # is left for the batch decodes.
-    step1 = A + (3 * C + 3000 * D) + _prefill(509, 0)
-    # Step 2: each interactive context grew by one; 91 tokens finish the prompt and the
-    # 2 batch decodes ride along in the 418 left.
-    step2 = A + (3 * C + 3003 * D) + _prefill(91, 509) + (2 * C + 1000 * D)
+    # Step 1: the 5 decodes leave 507 tokens for the 600-token prompt.
+    step1 = A + (5 * C + 4000 * D) + _prefill(507, 0)
+    # Step 2: each context grew by one; 93 tokens finish the prompt.
+    step2 = A + (5 * C + 4005 * D) + _prefill(93, 507)
     assert predict_ttft(COEF, 512, 600, (), interactive, batch) == step1 + step2
 
 
@@ -116,14 +121,14 @@ def test_a_replay_past_max_steps_goes_on_in_strides(monkeypatch: pytest.MonkeyPa
     A whole-context prompt cut to the step limit beside 3 streams (~7,000 steps, chunks
     shrinking as its context grows) comes within 3% of the whole replay, below it."""
     plans = 0
-    plan = admission._plan_prompts
+    plan = Replay.step
 
     def counted(*args: Any) -> Any:
         nonlocal plans
         plans += 1
         return plan(*args)
 
-    monkeypatch.setattr(admission, "_plan_prompts", counted)
+    monkeypatch.setattr(Replay, "step", counted)
     estimate = predict_ttft(COEF, 10, 1000, max_steps=4)
     assert plans <= 8
     whole = sum(A + _prefill(10, 10 * i) for i in range(100))
@@ -154,11 +159,14 @@ def test_a_one_token_chunk_is_priced_as_the_decode_the_runner_makes_of_it() -> N
 
 def test_prompts_beside_interactive_decodes_are_cut_to_the_step_limit() -> None:
     decodes, limit = Decodes(3, 3000), StepLimit(2.0**-4, 16, 2.0**-3)
-    # The decodes cost A + 3C + 3000D; 21 prompt tokens fit beside them, 22 do not.
-    assert A + 3 * C + 3000 * D + _prefill(21, 0) <= limit.seconds
-    assert A + 3 * C + 3000 * D + _prefill(22, 0) > limit.seconds
-    step1 = A + 3 * C + 3000 * D + _prefill(21, 0)
-    step2 = A + 3 * C + 3003 * D + _prefill(9, 21)
+    # The decodes cost A + 3C + 3000D; the waiting prompt is priced from its last full
+    # block (16, harvest.prefill_budget): 19 of its tokens fit beside them, 20 do not.
+    assert A + 3 * C + 3000 * D + _prefill(19, 16) <= limit.seconds
+    assert A + 3 * C + 3000 * D + _prefill(20, 16) > limit.seconds
+    step1 = A + 3 * C + 3000 * D + _prefill(19, 0)
+    # Running now, it is priced from where it is: its last 11 tokens fit.
+    assert A + 3 * C + 3003 * D + _prefill(11, 19) <= limit.seconds
+    step2 = A + 3 * C + 3003 * D + _prefill(11, 19)
     assert predict_ttft(COEF, 512, 30, (), decodes, limit=limit) == step1 + step2
     # Without the limit (fcfs) the prompt goes whole in one step.
     assert predict_ttft(COEF, 512, 30, (), decodes) == A + 3 * C + 3000 * D + _prefill(30, 0)
@@ -182,13 +190,15 @@ def test_streams_over_the_limit_get_the_floor_and_an_unreachable_target_no_cut()
     assert given == decode_step + _prefill(40, 0)
     # Unless the profile says one decode and the floor's chunk meet it (the engine asks its
     # profile): then the decodes alone break the target and the prompt may add the
-    # margin's worth (2^-9 s) to each step, priced by COEF: 7 tokens, then fewer as its
-    # context grows (harvest.with_floor).
+    # margin's worth (2^-9 s) to each step, priced by COEF (harvest.with_floor): 4 tokens
+    # while it waits (priced from its last full block, 32), then 7 and fewer as its
+    # context grows, the last 3 the rest.
     profile = {**COEF, "intercept": 2.0**-10, "prefill_tokens": 2.0**-16}
     assert step_seconds(profile, profiled) <= 2.0**-8
-    chunks = [7, 6, 6, 5, 5, 5, 4, 2]
+    chunks = [4, 7, 6, 6, 5, 5, 4, 3]
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
-    for n, start in zip(chunks[:-1], starts, strict=False):
+    priced_from = [32, *starts[1:]]
+    for n, start in zip(chunks[:-1], priced_from, strict=False):
         assert _prefill(n, start) <= 2.0**-9 < _prefill(n + 1, start)
     pairs = enumerate(zip(chunks, starts, strict=True))
     steps = [decode_step + 3 * i * D + _prefill(n, s) for i, (n, s) in pairs]
@@ -258,6 +268,24 @@ def test_the_replay_stops_once_over_the_target() -> None:
     assert predict_ttft(SLOW, 512, 10, [100_000]) == 195 * 2.0 + 1.0 + 170 / 512
 
 
+def test_a_prompt_that_can_never_get_in_is_refused_for_one_target() -> None:
+    """Every sequence slot decoding and nothing to preempt (fcfs, nothing finishes in the
+    replay): the prediction is infinite, and Retry-After the target."""
+    control = AdmissionControl(2.0, 1000.0, max_num_seqs=2)
+    for req_id in ("a", "b"):
+        control.requests.add(req_id, 100, interactive=True, now=0.0)
+        control.requests.first_token(req_id, 0.5)
+    refused = control.check(10, COEF, 512)
+    assert (refused.predicted_ttft_s, refused.retry_after_s) == (math.inf, 2)
+    # Under the priority policy a batch decode gives up its slot: the prompt gets in.
+    control = AdmissionControl(2.0, 1000.0, StepLimit(2.0**-4, 16, 2.0**-3), max_num_seqs=2)
+    control.requests.add("a", 100, interactive=True, now=0.0)
+    control.requests.add("b", 100, interactive=False, now=0.0)
+    for req_id in ("a", "b"):
+        control.requests.first_token(req_id, 0.5)
+    assert control.check(10, COEF, 512).admitted
+
+
 def test_retry_after_is_at_least_one_second() -> None:
     control = AdmissionControl(ttft_target_s=1e-6, initial_prefill_tokens_per_s=1000.0)
     verdict = control.check(1, COEF, 512)
@@ -317,13 +345,18 @@ def test_a_request_leaves_the_queue_at_its_first_token_or_when_aborted() -> None
     num_prompt_tokens=st.integers(1, 600),
     limit=st.sampled_from([None, StepLimit(2.0**-4, 16, 2.0**-3)]),
     cap=st.sampled_from([0, 128]),
+    max_num_seqs=st.sampled_from([None, 4]),
 )
 def test_the_running_totals_predict_as_the_full_replay(
-    events: list[tuple[str, int]], num_prompt_tokens: int, limit: StepLimit | None, cap: int
+    events: list[tuple[str, int]],
+    num_prompt_tokens: int,
+    limit: StepLimit | None,
+    cap: int,
+    max_num_seqs: int | None,
 ) -> None:
     """AdmissionControl keeps totals as requests come and go, and prices a burst that fits
     one step from them; whatever happened before, it predicts what predict_ttft does."""
-    admission = AdmissionControl(2.0, 1000.0, limit, cap)
+    admission = AdmissionControl(2.0, 1000.0, limit, cap, max_num_seqs=max_num_seqs)
     requests = admission.requests
     ids: list[str] = []
     for i, (kind, n) in enumerate(events):
@@ -339,10 +372,10 @@ def test_the_running_totals_predict_as_the_full_replay(
                 ids.remove(req_id)
     ahead, interactive, batch, has_batch = requests.snapshot()
     args = (COEF, 512, num_prompt_tokens, ahead, interactive, batch, limit, has_batch, None, cap)
-    expected = predict_ttft(*args, stop_over=2.0)
+    expected = predict_ttft(*args, stop_over=2.0, max_num_seqs=max_num_seqs)
     assert admission.predict(num_prompt_tokens, COEF, 512) == (expected, "step_model")
     # Up to the target the prediction is the whole replay's; over it, a lower bound.
-    whole = predict_ttft(*args)
+    whole = predict_ttft(*args, max_num_seqs=max_num_seqs)
     assert expected == whole if whole <= 2.0 else 2.0 < expected <= whole
     # The totals are the sums over what is in flight.
     assert requests.ahead_tokens == sum(ahead)

@@ -1,99 +1,31 @@
-"""The step planner: which requests advance this step, and by how many tokens.
+"""The scheduler: requests in and out, each step planned over the KV cache, results back.
 
-One rule covers prefill, chunked prefill and decode: a request is given tokens until its
-num_computed_tokens catches up with num_tokens, within max_num_batched_tokens and
-max_num_seqs. Requests come in priority classes (lower `priority` is more urgent:
-interactive 0, batch 1) and each step serves them class by class, most urgent first:
-
-    for each class:  its running requests (in order)  ->  its waiting requests (FCFS)
-
-Batch classes also stay within the step's `batch_token_budget` (the harvest budget,
-given, or asked for once the interactive classes are planned: harvest.py) and leave the
-interactive reserve free (`reserve.py`); a batch request held back by the reserve alone
-waits with its blocks. Interactive prompts still being prefilled share the step's
-`prefill_token_budget`, when one is given: the engine sets it while interactive streams
-decode, so that a long prompt arriving among them is cut into chunks that keep their
-steps within the TPOT target (harvest.prefill_budget). While interactive requests wait,
-a running interactive prompt takes at most `long_prefill_token_threshold` tokens until
-they are served, then what they left: a long prompt does not hold short ones back.
-
-When blocks or sequence slots run out, the victim is the least urgent class first, the
-newest within it, and never more urgent than the request that needs the room: a waiting
-interactive request preempts running batch ones, a running request the not-yet-served
-ones of its class (itself included) and less urgent ones, and a batch request never
-preempts an interactive one, so the classes cannot ping-pong. A preempted request goes
-to the front of its class's queue and is later recomputed, mostly from its still-cached
-prefix. Time is passed in.
+The step's token split (which requests advance, by how many tokens, and who is preempted
+when blocks or sequence slots run out) is planning.py's rule, shared with admission's
+replay; the Scheduler gives it the KV cache (the hooks below: blocks, the interactive
+reserve, prefix hits), commits the plan into a SchedulerOutput, and applies the sampled
+tokens. Time is passed in.
 """
 
 from __future__ import annotations
 
-import bisect
-import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from tokenfleet.config import SchedulerConfig
 from tokenfleet.core.block_pool import KVCacheBlock
 from tokenfleet.core.engine_api import EngineCoreOutput
 from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.core.planning import BatchTokenBudget, StepPlan, StepPlanner
 from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request, RequestStatus
-from tokenfleet.core.request_queue import PriorityRequestQueue
 from tokenfleet.core.reserve import InteractiveReserve
 from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
-logger = logging.getLogger(__name__)
 
-# Asked once per step, after the interactive classes are planned, with their chunks as
-# (num_tokens, start_pos): the step's batch token budget.
-BatchTokenBudget = Callable[[list[tuple[int, int]]], int]
-
-
-@dataclass
-class _StepPlan:
-    """What one schedule() call has handed out so far."""
-
-    budget: int
-    batch_budget: int | None
-    prefill_budget: int | None = None  # interactive prefill chunks, when capped
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-
-    def tokens_for(self, request: Request, num_to_go: int) -> int:
-        """The most tokens `request` may get, with `num_to_go` left to compute."""
-        if request.is_interactive:
-            if num_to_go > 1 and self.prefill_budget is not None:
-                return min(self.budget, self.prefill_budget)
-            return self.budget
-        if self.batch_budget is None:
-            return self.budget
-        return min(self.budget, self.batch_budget)
-
-    def give(self, request: Request, num_tokens: int, num_to_go: int) -> None:
-        """Hand `num_tokens` more to `request` (a capped prompt may be given twice)."""
-        self.num_scheduled[request.req_id] = self.num_scheduled.get(request.req_id, 0) + num_tokens
-        self.budget -= num_tokens
-        if not request.is_interactive and self.batch_budget is not None:
-            self.batch_budget -= num_tokens
-        if request.is_interactive and num_to_go > 1 and self.prefill_budget is not None:
-            self.prefill_budget -= num_tokens
-
-
-def _checked_budget(budget: int | None, name: str = "batch_token_budget") -> int | None:
-    if budget is not None and budget < 0:
-        raise ValueError(f"{name} must be at least 0, got {budget}")
-    return budget
-
-
-class Scheduler:
+class Scheduler(StepPlanner):
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
-        self.config = config
+        super().__init__(config)
         self.kv = kv_cache_manager
-        self.waiting = PriorityRequestQueue()
-        # Sorted by priority (stable): each class in the order it was admitted.
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
         self._finished_req_ids: set[str] = set()
         self.reserve = InteractiveReserve(
             kv_cache_manager.pool.num_blocks,
@@ -151,24 +83,11 @@ class Scheduler:
         it (the harvest budget), or is asked for it; interactive requests are never held
         to it. `prefill_token_budget` caps the tokens of interactive requests with more
         than one token to go (prompts), not their decodes."""
-        ask = batch_token_budget if callable(batch_token_budget) else None
-        given = None if callable(batch_token_budget) else batch_token_budget
-        plan = _StepPlan(
-            self.config.max_num_batched_tokens,
-            _checked_budget(given),
-            _checked_budget(prefill_token_budget, "prefill_token_budget"),
+        plan, ask = StepPlan.begin(
+            self.config.max_num_batched_tokens, batch_token_budget, prefill_token_budget
         )
         self.reserve_blocks = self.reserve.blocks(now)
-        for priority in sorted({r.priority for r in self.running} | set(self.waiting.priorities)):
-            if ask is not None and priority > PRIORITY_INTERACTIVE:
-                plan.batch_budget = _checked_budget(ask(self._planned_chunks(plan)))
-                ask = None
-            capped = self._schedule_running(plan, priority)
-            # Not in a step that preempted one of this class: the blocks freed go to the
-            # running requests first, and the preempted one must not come straight back.
-            if all(r.priority != priority for r in plan.preempted):
-                self._schedule_waiting(plan, priority)
-            self._top_up(plan, capped)
+        self.plan_step(plan, ask)
         scheduled = self._commit(plan)
         self.reserve.observe(now, self._num_interactive_blocks())
         finished = frozenset(self._finished_req_ids)
@@ -180,108 +99,7 @@ class Scheduler:
             preempted_req_ids=tuple(r.req_id for r in plan.preempted),
         )
 
-    def _planned_chunks(self, plan: _StepPlan) -> list[tuple[int, int]]:
-        """(num_tokens, start_pos) of each request planned so far (not yet committed)."""
-        return [(n, self.requests[i].num_computed_tokens) for i, n in plan.num_scheduled.items()]
-
-    def _schedule_running(self, plan: _StepPlan, priority: int) -> list[Request]:
-        """Plan the running requests of a class; return the prompts held to the long
-        prefill threshold (for _top_up)."""
-        cap = self._long_prefill_cap(priority)
-        capped = []
-        for request in [r for r in self.running if r.priority == priority]:
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted for one served before it in this loop
-            num_to_go = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_to_go, plan.tokens_for(request, num_to_go))
-            if num_new == 0:
-                if plan.budget == 0:
-                    break
-                continue  # a capped prompt: the decodes after it still run
-            if cap is not None and num_new > cap:
-                num_new = cap
-                capped.append(request)
-            if self._make_room_to_grow(plan, request, num_new):
-                plan.give(request, num_new, num_to_go)
-        return capped
-
-    def _long_prefill_cap(self, priority: int) -> int | None:
-        """The most tokens a running prompt of this class may take before the waiting
-        ones are served: the threshold while interactive requests wait, else no cap."""
-        threshold = self.config.long_prefill_token_threshold
-        if not threshold or priority != PRIORITY_INTERACTIVE or not self.waiting:
-            return None
-        return threshold if self.waiting.peek().priority == priority else None
-
-    def _top_up(self, plan: _StepPlan, capped: list[Request]) -> None:
-        """Give capped prompts what the waiting requests left of the step's budget, as far
-        as free blocks allow (no preemption for it: it is only a bigger chunk)."""
-        for request in capped:
-            given = plan.num_scheduled.get(request.req_id)
-            if request.status != RequestStatus.RUNNING or given is None:
-                continue
-            num_to_go = request.num_tokens - request.num_computed_tokens
-            more = min(num_to_go - given, plan.tokens_for(request, num_to_go))
-            if more > 0 and self._fits(request, given + more):
-                self.kv.allocate_slots(request, given + more)
-                plan.give(request, more, num_to_go)
-
-    def _schedule_waiting(self, plan: _StepPlan, priority: int) -> None:
-        # Only while the head of the whole queue is of this class: a request never gets
-        # in ahead of a more urgent one still waiting.
-        while self.waiting and self.waiting.peek().priority == priority:
-            request = self.waiting.peek()
-            if plan.tokens_for(request, request.num_tokens) == 0:
-                return
-            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-            num_to_go = request.num_tokens - num_cached
-            num_new = min(num_to_go, plan.tokens_for(request, num_to_go))
-            if num_new == 0:
-                return
-            if not self._make_room_to_admit(plan, request, num_new, computed_blocks):
-                return
-            self.kv.allocate_slots(request, num_new, computed_blocks)
-            self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_cached
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
-            # At the end of its class: running stays sorted by priority.
-            at = bisect.bisect_right(self.running, priority, key=lambda r: r.priority)
-            self.running.insert(at, request)
-            plan.give(request, num_new, num_to_go)
-
-    def _make_room_to_grow(self, plan: _StepPlan, request: Request, num_new: int) -> bool:
-        """Allocate for a running request, preempting others (or itself) when short."""
-        while not self._fits(request, num_new):
-            victim = self._pick_victim(plan, request, admitting=False)
-            assert victim is not None  # the request itself is always a candidate
-            if victim is request and self.kv.can_allocate(request, num_new):
-                return False  # only the reserve holds it back: keep its blocks and wait
-            self._preempt(plan, victim)
-            if victim is request:
-                return False
-        self.kv.allocate_slots(request, num_new)
-        return True
-
-    def _make_room_to_admit(
-        self,
-        plan: _StepPlan,
-        request: Request,
-        num_new: int,
-        computed_blocks: Sequence[KVCacheBlock],
-    ) -> bool:
-        """Whether a sequence slot and the blocks are there, preempting less urgent
-        running requests for them (so only an interactive request preempts batch)."""
-        while not (
-            len(self.running) < self.config.max_num_seqs
-            and self._fits(request, num_new, computed_blocks)
-        ):
-            victim = self._pick_victim(plan, request, admitting=True)
-            if victim is None:
-                return False
-            self._preempt(plan, victim)
-        return True
+    # -- the KV cache, as planning.py's rule asks about it -----------------------------
 
     def _fits(
         self, request: Request, num_new: int, computed_blocks: Sequence[KVCacheBlock] = ()
@@ -297,38 +115,27 @@ class Scheduler:
         num_tokens = num_new + keep_free * self.kv.block_size
         return self.kv.can_allocate(request, num_tokens, computed_blocks)
 
-    def _pick_victim(self, plan: _StepPlan, request: Request, *, admitting: bool) -> Request | None:
-        """Least urgent class first, newest within it; never a more urgent request.
+    def _can_allocate(self, request: Request, num_new: int) -> bool:
+        return self.kv.can_allocate(request, num_new)
 
-        Candidates are the running requests of less urgent classes and, for a running
-        request, those of its own class not yet served this step (itself included).
-        """
-        candidates = [
-            r
-            for r in self.running
-            if r.priority > request.priority
-            or (
-                not admitting
-                and r.priority == request.priority
-                and r.req_id not in plan.num_scheduled
-            )
-        ]
-        return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
+    def _allocate(
+        self, request: Request, num_new: int, computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> None:
+        self.kv.allocate_slots(request, num_new, computed_blocks)
 
-    def _preempt(self, plan: _StepPlan, request: Request) -> None:
-        self.running.remove(request)
+    def _computed_blocks(self, request: Request) -> tuple[Sequence[KVCacheBlock], int]:
+        return self.kv.get_computed_blocks(request)
+
+    def _free(self, request: Request) -> None:
         self.kv.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
+
+    def _preempt(self, plan: StepPlan, request: Request) -> None:
+        super()._preempt(plan, request)
         self.num_preemptions += 1
         by_priority = self.num_preemptions_by_priority
         by_priority[request.priority] = by_priority.get(request.priority, 0) + 1
-        self.waiting.prepend(request)
-        plan.preempted.append(request)
-        logger.debug("preempted %s (priority %d)", request.req_id, request.priority)
 
-    def _commit(self, plan: _StepPlan) -> list[ScheduledRequest]:
+    def _commit(self, plan: StepPlan) -> list[ScheduledRequest]:
         """The planned tokens, in running order, counted as computed from now on."""
         scheduled = []
         for request in self.running:

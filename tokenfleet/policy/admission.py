@@ -5,33 +5,44 @@ model (step_model.py).
     in flight:  [interactive, no first token yet]  ──first token──▶  [decoding]  ──▶ gone
                  └── prompts ahead, FCFS ──┘                           (finish / abort)
 
-The prediction replays the engine's schedule (scheduler.py) on those numbers: each step
-the running interactive decodes take one token each of `max_num_batched_tokens`, the
-prompts ahead and then the new one fill the rest in chunks, and running batch decodes ride
-along in what is left; each step costs what the step-time model says, and the TTFT is the
-sum up to the step that finishes the new prompt. Under the priority policy (a StepLimit,
-harvest.py) prompt chunks beside interactive decodes are cut to the step limit (at least
-the floor), and where batch work is in flight it fills each step up to the limit. Before
-the engine has sent coefficients, an exponential moving average of the prefill speed seen
-from the gateway stands in.
+The prediction replays the engine's own planning on those numbers (Replay): the
+Scheduler's token split, shared with it (core/planning.py, on lengths alone: a cache that
+never runs short and never hits), within harvest.py's prompt and batch budgets under the
+priority policy (a StepLimit). The running decodes each take a token, the prompts ahead
+(taken as running, none of their tokens computed yet) and then the new one, waiting,
+fill the rest in chunks; each step costs what the step-time model says, and the TTFT is
+the sum up to the step that finishes the new prompt. Under the priority policy a step
+with batch work in flight takes at least the step limit (batch fills it up to there).
+Before the engine has sent coefficients, an exponential moving average of the prefill
+speed seen from the gateway stands in.
 
-Torch-free; time is passed in.
+Torch-free; time is passed in. Over 400 lines: the replay needs harvest's budgets, so it
+cannot join core/planning.py, and it serves this module's control alone.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tokenfleet.policy.harvest import pack, target_reachable, with_floor
-from tokenfleet.policy.step_model import TERMS, LinearStepCost, StepFeatures
+from tokenfleet.config import CacheConfig, SchedulerConfig
+from tokenfleet.core.planning import Chunk, LengthPlanner, LengthRequest
+from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from tokenfleet.policy.harvest import batch_budget, prefill_budget_within
+from tokenfleet.policy.step_model import LinearStepCost, StepCost, StepFeatures
 
 # predict_ttft replays this many steps one by one, then at most as many strides of several
 # alike steps (a few ms of the gateway's event loop, where every stream's events wait; at
-# the default targets it stops sooner).
+# the default targets it stops sooner). A step plans every running request: the strides
+# begin sooner once the steps so far have planned this many requests' chunks in all.
 MAX_REPLAY_STEPS = 64
+MAX_REPLAY_CHUNKS = 1024
+# The engine's block size, where the gateway is not told it: harvest prices a waiting
+# prompt from its last full block (its dearest start).
+DEFAULT_BLOCK_SIZE = CacheConfig().block_size
+# max_num_seqs where the gateway is not told it: no limit (every request in flight fits).
+UNLIMITED_SEQS = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +65,121 @@ class StepLimit:
     target_seconds: float
 
 
-def step_seconds(coefficients: Mapping[str, float], features: StepFeatures) -> float:
-    """A step's predicted time: the step-time model with `coefficients` (term -> value)."""
-    values = zip(TERMS, features.values(), strict=True)
-    return sum(coefficients.get(term, 0.0) * v for term, v in values)
+class Replay:
+    """The engine's queue as admission knows it, planned step by step as the engine plans
+    it: LengthPlanner's token split (the Scheduler's rule) and, under a `limit` (the
+    priority policy), harvest's prefill and batch budgets priced by `model` (its
+    target_reachable by `reference`, by default `model`), as PriorityBudgets gives them.
+    `max_num_seqs` None: no limit on the sequences in a step; `batch_step_limit_s`: the
+    engine's, for steps of batch alone (the gateway is not told it: None)."""
+
+    def __init__(
+        self,
+        max_num_batched_tokens: int,
+        *,
+        max_num_seqs: int | None = None,
+        long_prefill_cap: int = 0,
+        limit: StepLimit | None = None,
+        model: StepCost | None = None,
+        reference: StepCost | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        batch_step_limit_s: float | None = None,
+    ) -> None:
+        if limit is not None and model is None:
+            raise ValueError("a step limit needs a step-time model to price the budgets")
+        config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=UNLIMITED_SEQS if max_num_seqs is None else max_num_seqs,
+            long_prefill_token_threshold=long_prefill_cap,
+        )
+        self.planner = LengthPlanner(config)
+        self.limit, self.model, self.reference = limit, model, reference
+        self.block_size, self.batch_step_limit_s = block_size, batch_step_limit_s
+
+    def add(
+        self,
+        req_id: str,
+        num_tokens: int,
+        *,
+        running: bool,
+        num_computed_tokens: int = 0,
+        num_prompt_tokens: int | None = None,
+        interactive: bool = True,
+        arrival_time: float | None = None,
+    ) -> LengthRequest:
+        """A request at the end of the running ones (as far on as `num_computed_tokens`)
+        or of its class's waiting ones: LengthPlanner.add."""
+        priority = PRIORITY_INTERACTIVE if interactive else PRIORITY_BATCH
+        return self.planner.add(
+            req_id,
+            num_tokens,
+            running=running,
+            num_computed_tokens=num_computed_tokens,
+            num_prompt_tokens=num_prompt_tokens,
+            priority=priority,
+            arrival_time=arrival_time,
+        )
+
+    def add_decodes(self, prefix: str, decodes: Decodes, *, interactive: bool) -> None:
+        """`decodes` as running requests `prefix`0, `prefix`1, ..., their contexts the
+        even split of what they read in all."""
+        n = decodes.num_seqs
+        if not n:
+            return
+        base, extra = divmod(max(decodes.num_kv_tokens - n, 0), n)
+        for i in range(n):
+            context = base + (i < extra)
+            self.add(
+                f"{prefix}{i}",
+                context + 1,
+                running=True,
+                num_computed_tokens=context,
+                num_prompt_tokens=context,
+                interactive=interactive,
+            )
+
+    def step(self) -> list[Chunk]:
+        """Plan the next step and commit it: its chunks, in running order."""
+        if self.limit is None:
+            return self.planner.step()
+        planner, limit, model = self.planner, self.limit, self.model
+        assert model is not None
+        config = planner.config
+        prefill = prefill_budget_within(
+            model,
+            planner.running,
+            planner.waiting,
+            limit_s=limit.seconds,
+            tpot_target_s=limit.target_seconds,
+            max_num_seqs=config.max_num_seqs,
+            block_size=self.block_size,
+            max_tokens=config.max_num_batched_tokens,
+            min_tokens=limit.min_prefill_chunk,
+            reference=self.reference,
+        )
+
+        def batch(interactive_chunks: list[tuple[int, int]]) -> int:
+            return batch_budget(
+                model,
+                interactive_chunks,
+                planner.running,
+                planner.waiting,
+                limit_s=limit.seconds,
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                block_size=self.block_size,
+                batch_step_limit_s=self.batch_step_limit_s,
+            )
+
+        return planner.step(batch_token_budget=batch, prefill_token_budget=prefill)
+
+    def prompt_tokens_left(self) -> int:
+        """The tokens still to compute of every request not decoding (prompts)."""
+        return sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in self.planner.requests.values()
+            if isinstance(r, LengthRequest) and not r.decoding
+        )
 
 
 def predict_ttft(
@@ -73,153 +195,102 @@ def predict_ttft(
     long_prefill_cap: int = 0,
     stop_over: float = math.inf,
     max_steps: int = MAX_REPLAY_STEPS,
+    *,
+    max_num_seqs: int | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> float:
     """Seconds until a new interactive prompt of `num_prompt_tokens` is prefilled, behind
-    the interactive `prompts_ahead` (oldest first) and with the given running decodes.
-    With `long_prefill_cap` (the scheduler's long_prefill_token_threshold), the oldest
-    prompt takes at most that many tokens a step while others wait, and what they leave.
+    the interactive `prompts_ahead` (oldest first) and with the given running decodes,
+    as Replay plans it. `long_prefill_cap` is the scheduler's long_prefill_token_threshold;
+    `max_num_seqs` and `block_size` the engine's, where known.
 
-    A prompt ahead whose prefill ends joins the interactive decodes from the next step on,
-    and every decode's context grows by a token a step. Prefix-cache hits are not known
-    here, so every prompt is priced in full (a pessimistic bound). With a `limit`, prompt
-    chunks beside interactive decodes are cut to it, and a step with batch work in flight
-    (`batch_in_flight`, by default: batch decodes running) takes at least the limit.
+    The replay's queue: the interactive decodes, under fcfs (no `limit`) the batch ones in
+    the same class (the engine schedules fcfs as one class), the prompts ahead, running
+    with none of their tokens computed, under the priority policy the batch decodes in
+    their class, and the new prompt waiting. A prompt whose prefill ends decodes from the
+    next step on; no request finishes. Prefix-cache hits are not known here, so every
+    prompt is priced in full (a pessimistic bound). With a `limit`, a step with batch work
+    in flight (`batch_in_flight`, by default: batch decodes running) takes at least it.
+    Where the new prompt can never get in (more decodes than the token budget or the
+    sequence slots hold), the answer is infinite.
 
     The replay stops at the first step that takes the total over `stop_over`: the answer
     is then a lower bound over it, which is all admission needs to know, and the replay
     stays short (behind a whole-context prompt cut to a few tokens a step it would run
     thousands of steps, hundreds of ms of the gateway's event loop). Under a target so far
-    off that it has not stopped after `max_steps` steps, the rest is replayed in at most as
-    many strides: a stride repeats one step's plan as many times as finishes the prompts
-    in the strides left (never through a prompt's last chunk: that step is replayed
-    alone), each step priced with its contexts as far on as they are by then (the cost is
-    linear in them: the mean of the first and last step's). What it leaves out is the plan
-    itself changing within a stride (chunks cut to the step limit shrink as contexts grow:
-    it errs low)."""
+    off that it has not stopped after `max_steps` steps (or MAX_REPLAY_CHUNKS requests'
+    chunks), the rest is replayed in at most `max_steps` strides: a stride repeats one
+    step's plan as many times as finishes the prompts in the strides left (never through
+    a prompt's last chunk: that step is replayed alone), each step priced with its
+    contexts as far on as they are by then (the cost is linear in them: the mean of the
+    first and last step's). What it leaves out is the plan itself changing within a
+    stride (chunks cut to the step limit shrink as contexts grow: it errs low)."""
     if max_num_batched_tokens < 1:
         raise ValueError(f"max_num_batched_tokens must be at least 1, got {max_num_batched_tokens}")
-    # [tokens scheduled, prompt length] of each prompt still to prefill, oldest first.
-    prefills = deque([0, n] for n in (*prompts_ahead, num_prompt_tokens))
-    mine = prefills[-1]
-    num_i, kv_i = interactive.num_seqs, interactive.num_kv_tokens
-    num_b, kv_b = batch.num_seqs, batch.num_kv_tokens
-    total = 0.0
-    steps = 0
     priced = LinearStepCost.from_dict(dict(coefficients))
     # As the engine asks it: of its start-up profile's fit (`profile`) when there is one.
     reference = LinearStepCost.from_dict(dict(profile)) if profile else priced
-    reachable = limit is not None and target_reachable(
-        reference, limit.target_seconds, limit.min_prefill_chunk
+    replay = Replay(
+        max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        long_prefill_cap=long_prefill_cap,
+        limit=limit,
+        model=priced,
+        reference=reference,
+        block_size=block_size,
     )
+    in_flight = batch.num_seqs > 0 if batch_in_flight is None else batch_in_flight
+    floor = limit.seconds if limit is not None and in_flight else 0.0
+    replay.add_decodes("i", interactive, interactive=True)
+    if limit is None:
+        replay.add_decodes("b", batch, interactive=True)
+    for i, n in enumerate(prompts_ahead):
+        replay.add(f"ahead{i}", n, running=True)
+    # Under the priority policy batch is planned after every interactive request and kept
+    # within the step limit, so with batch in flight (each step at least the limit) its
+    # decodes change nothing but the sequence slots they hold.
+    if limit is not None and (not in_flight or max_num_seqs is not None):
+        replay.add_decodes("b", batch, interactive=False)
+    mine = replay.add("new", num_prompt_tokens, running=False)
+    total = 0.0
+    steps = planned = 0
+    strides_from: int | None = None  # the step the strides began at
     while True:
-        # max(.., 1): with more decodes than budget the engine would stall prefill; never
-        # with max_num_seqs under max_num_batched_tokens, and the loop must end.
-        budget = max(max_num_batched_tokens - num_i, 1)
-        step = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i)
-        if limit is not None and num_i and reachable:
-            chunks = [(done, n - done) for done, n in prefills]
-            fits = pack(priced, step, chunks, limit.seconds, budget)
-            budget = min(
-                budget,
-                with_floor(
-                    priced,
-                    step,
-                    chunks,
-                    fits,
-                    limit.seconds,
-                    limit.target_seconds,
-                    limit.min_prefill_chunk,
-                    budget,
-                ),
-            )
-        planned, budget = _plan_prompts(prefills, budget, long_prefill_cap)
-        stride = _stride(prefills, planned, 2 * max_steps - steps) if steps >= max_steps else 1
-        in_flight = num_b > 0 if batch_in_flight is None else batch_in_flight
-        first = step + StepFeatures.of_chunks([(n, p[0]) for p, n in planned])
-        seconds, riding = _with_batch(coefficients, first, budget, batch, kv_b, limit, in_flight)
+        if strides_from is None and (steps >= max_steps or planned >= MAX_REPLAY_CHUNKS):
+            strides_from = steps
+        left = 0 if strides_from is None else replay.prompt_tokens_left()
+        chunks = replay.step()
+        planned += len(chunks)
+        prompts = [c for c in chunks if c.num_to_go > 1 or not c.is_decode]
+        if not prompts:
+            return math.inf  # decodes alone fill every step from now on
+        stride = 1
+        if strides_from is not None:
+            stride = _stride(prompts, left, max_steps - (steps - strides_from))
+        first = StepFeatures.of_chunks((c.num_tokens, c.start_pos) for c in chunks)
+        seconds = max(priced.predict(first), floor)
         if stride > 1:
             # Its last step reads every context k tokens further on; the cost is linear in
             # them, so the stride's mean step is the mean of its first and last.
             k = stride - 1
-            last = StepFeatures(decode_seqs=num_i, kv_tokens_read=kv_i + num_i * k)
-            last += StepFeatures.of_chunks([(n, p[0] + n * k) for p, n in planned])
-            kv_batch = kv_b + riding * k
-            last_seconds, _ = _with_batch(
-                coefficients, last, budget, batch, kv_batch, limit, in_flight
+            last = StepFeatures.of_chunks(
+                (c.num_tokens, c.start_pos + c.num_tokens * k) for c in chunks
             )
-            seconds = (seconds + last_seconds) / 2
-        joined, joined_kv = 0, 0
-        for prompt, num_new in planned:
-            prompt[0] += num_new * stride
-            if prompt[0] == prompt[1]:
-                # Its first token is sampled now; next step it decodes at its length.
-                joined, joined_kv = joined + 1, joined_kv + prompt[1] + 1
-        prefills = deque(p for p in prefills if p[0] < p[1])
+            seconds = (seconds + max(priced.predict(last), floor)) / 2
+            replay.planner.repeat(chunks, k)
         total += seconds * stride
-        if mine[0] == mine[1] or total > stop_over:
+        if mine.num_computed_tokens >= num_prompt_tokens or total > stop_over:
             return total
         steps += 1
-        kv_i += num_i * stride + joined_kv
-        num_i += joined
-        kv_b += riding * stride
 
 
-def _stride(
-    prefills: Sequence[list[int]], planned: Sequence[tuple[list[int], int]], strides_left: int
-) -> int:
-    """How many times to repeat a step's plan (`planned`, before it is applied): enough to
-    prefill what is left of the prompts in `strides_left` such strides, but never through a
-    prompt's last chunk (1 where this step ends one)."""
-    per_step = sum(num_new for _, num_new in planned)
-    if not per_step:
-        return 1
-    left = sum(n - done for done, n in prefills)
+def _stride(prompts: Sequence[Chunk], left: int, strides_left: int) -> int:
+    """How many times to repeat a step's plan, its prompt chunks `prompts`: enough to
+    prefill what is `left` of the prompts in `strides_left` such strides, but never through
+    a prompt's last chunk (1 where this step ends one)."""
+    per_step = sum(c.num_tokens for c in prompts)
     want = math.ceil(left / (per_step * max(strides_left, 1)))
-    return max(1, min(want, *((p[1] - p[0]) // num_new for p, num_new in planned)))
-
-
-def _with_batch(
-    coefficients: Mapping[str, float],
-    step: StepFeatures,
-    budget_left: int,
-    batch: Decodes,
-    batch_kv: int,
-    limit: StepLimit | None,
-    batch_in_flight: bool,
-) -> tuple[float, int]:
-    """A step's seconds once batch work joins its interactive part `step`, and how many
-    batch decodes ride along: without a limit (fcfs), the running ones in the tokens
-    left (reading `batch_kv` in all); with one, batch fills the step up to it."""
-    riding = min(batch.num_seqs, budget_left) if limit is None else 0
-    if riding:
-        step += StepFeatures(decode_seqs=riding, kv_tokens_read=batch_kv * riding // batch.num_seqs)
-    seconds = step_seconds(coefficients, step)
-    if limit is not None and batch_in_flight:
-        seconds = max(seconds, limit.seconds)
-    return seconds, riding
-
-
-def _plan_prompts(
-    prefills: Sequence[list[int]], budget: int, cap: int
-) -> tuple[list[tuple[list[int], int]], int]:
-    """(prompt, tokens) of a step's prompt chunks, FCFS within `budget`, and the budget
-    left. With a `cap` and others waiting, the oldest takes at most `cap` tokens first and
-    then what the others leave (Scheduler._top_up)."""
-    planned: list[tuple[list[int], int]] = []
-    capped = bool(cap) and len(prefills) > 1
-    for i, prompt in enumerate(prefills):
-        if not budget:
-            break
-        want = prompt[1] - prompt[0]
-        num_new = min(want, budget, cap if capped and i == 0 else want)
-        planned.append((prompt, num_new))
-        budget -= num_new
-    if capped and budget and planned:
-        first, given = planned[0]
-        more = min(first[1] - first[0] - given, budget)
-        planned[0] = (first, given + more)
-        budget -= more
-    return planned, budget
+    return max(1, min(want, *(c.num_to_go // c.num_tokens for c in prompts)))
 
 
 @dataclass(slots=True)
@@ -310,6 +381,11 @@ class InFlightRequests:
             self.ahead_tokens -= n
             self.ahead_features -= StepFeatures.of_chunk(n, 0)
 
+    @property
+    def num_ahead(self) -> int:
+        """How many interactive requests wait for their first token."""
+        return len(self._ahead)
+
     def prompts_ahead(self) -> list[int]:
         """Prompt lengths of interactive requests still waiting for their first token,
         oldest first: the prefill work a new interactive request queues behind."""
@@ -362,15 +438,21 @@ class AdmissionControl:
         initial_prefill_tokens_per_s: float,
         limit: StepLimit | None = None,
         long_prefill_cap: int = 0,
+        *,
+        max_num_seqs: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         """`limit`: the engine's step limit under the priority policy (None for fcfs);
-        `long_prefill_cap`: its scheduler's long_prefill_token_threshold (0: none)."""
+        `long_prefill_cap`: its scheduler's long_prefill_token_threshold (0: none);
+        `max_num_seqs` (None: not modelled) and `block_size`: its own (predict_ttft)."""
         if ttft_target_s <= 0 or initial_prefill_tokens_per_s <= 0:
             raise ValueError("the TTFT target and the initial prefill speed must be positive")
         self.ttft_target_s = ttft_target_s
         self.prefill_tokens_per_s = initial_prefill_tokens_per_s
         self.limit = limit
         self.long_prefill_cap = long_prefill_cap
+        self.max_num_seqs = max_num_seqs
+        self.block_size = block_size
         self.requests = InFlightRequests()
 
     def predict(
@@ -401,30 +483,43 @@ class AdmissionControl:
                 profile,
                 self.long_prefill_cap,
                 stop_over=self.ttft_target_s,
+                max_num_seqs=self.max_num_seqs,
+                block_size=self.block_size,
             )
         return seconds, "step_model"
 
     def _one_step(
         self, num_prompt_tokens: int, coefficients: Mapping[str, float], max_num_batched_tokens: int
     ) -> float | None:
-        """predict_ttft where the prompts ahead and the new one all fit the next step, from
-        the running totals (a burst of short prompts: each one costs the same, however many
-        came before it); None where predict_ttft must replay more steps, or cut prompts to
-        the step limit beside interactive decodes."""
+        """predict_ttft where the decodes, the prompts ahead and the new one all fit the
+        next step, from the running totals (a burst of short prompts: each one costs the
+        same, however many came before it); None where predict_ttft must replay more
+        steps, or cut prompts to the step limit beside interactive decodes. Under the
+        priority policy batch is planned after the prompts and kept within the limit, so
+        the step is its interactive part, or the limit with batch in flight."""
         requests = self.requests
         interactive = requests.decodes(interactive=True)
-        left = max(max_num_batched_tokens - interactive.num_seqs, 1)
-        left -= requests.ahead_tokens + num_prompt_tokens
-        if left < 0 or (self.limit is not None and interactive.num_seqs):
-            return None
-        step = StepFeatures(
-            decode_seqs=interactive.num_seqs, kv_tokens_read=interactive.num_kv_tokens
-        )
-        step += requests.ahead_features + StepFeatures.of_chunk(num_prompt_tokens, 0)
         batch = requests.decodes(interactive=False)
-        seconds, _ = _with_batch(
-            coefficients, step, left, batch, batch.num_kv_tokens, self.limit, requests.has_batch
+        fcfs = self.limit is None
+        decodes = Decodes(
+            interactive.num_seqs + batch.num_seqs * fcfs,
+            interactive.num_kv_tokens + batch.num_kv_tokens * fcfs,
         )
+        left = max_num_batched_tokens - decodes.num_seqs
+        left -= requests.ahead_tokens + num_prompt_tokens
+        # A one-token prompt ahead is a one-token query, as harvest.prefill_budget counts
+        # decodes: beside one, prompts are cut under the priority policy too.
+        beside_decodes = interactive.num_seqs or requests.ahead_features.decode_seqs
+        if left < 0 or (not fcfs and beside_decodes):
+            return None
+        num_running = interactive.num_seqs + batch.num_seqs + requests.num_ahead
+        if self.max_num_seqs is not None and num_running >= self.max_num_seqs:
+            return None
+        step = StepFeatures(decode_seqs=decodes.num_seqs, kv_tokens_read=decodes.num_kv_tokens)
+        step += requests.ahead_features + StepFeatures.of_chunk(num_prompt_tokens, 0)
+        seconds = LinearStepCost.from_dict(dict(coefficients)).predict(step)
+        if self.limit is not None and requests.has_batch:
+            return max(seconds, self.limit.seconds)
         return seconds
 
     def check(
@@ -436,14 +531,16 @@ class AdmissionControl:
     ) -> Verdict:
         """Admit at or under the target; over it, refuse with Retry-After = the predicted
         excess rounded up to whole seconds (at least 1), as far as the replay went: it
-        stops once over the target, so the excess is a lower bound. `profile`: the engine's
-        start-up profile's coefficients (predict_ttft)."""
+        stops once over the target, so the excess is a lower bound. Where the prompt is
+        predicted never to get in (decodes fill every step), Retry-After is the target,
+        rounded up. `profile`: the engine's start-up profile's coefficients (predict_ttft)."""
         seconds, predictor = self.predict(
             num_prompt_tokens, coefficients, max_num_batched_tokens, profile
         )
         if seconds <= self.ttft_target_s:
             return Verdict(seconds, predictor)
-        return Verdict(seconds, predictor, max(1, math.ceil(seconds - self.ttft_target_s)))
+        excess = seconds - self.ttft_target_s if math.isfinite(seconds) else self.ttft_target_s
+        return Verdict(seconds, predictor, max(1, math.ceil(excess)))
 
     def first_token(self, req_id: str, now: float) -> FirstToken | None:
         """Record a first token; an interactive one also teaches the EMA fallback the

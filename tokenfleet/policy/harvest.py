@@ -29,7 +29,8 @@ predicted over the limit (a prompt late in a long context, on slow hardware). Wh
 decodes alone are over the limit, a prompt gets a floor (`min_tokens`) within the target,
 and where they are over the target, the floor may add the margin's worth of time to their
 step (with_floor); only where the hardware cannot meet the target at all
-(target_reachable) are prompts not cut. Torch-free and pure: the engine and the simulator call it.
+(target_reachable) are prompts not cut. Torch-free and pure: the engine, the simulator and
+admission's replay call it.
 """
 
 from __future__ import annotations
@@ -41,16 +42,8 @@ from typing import Protocol
 from tokenfleet.core.request import Request
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.scheduler_output import SchedulerOutput
+from tokenfleet.policy.step_model import StepCost as StepCost  # priced there; named here too
 from tokenfleet.policy.step_model import StepFeatures
-
-
-class StepCost(Protocol):
-    """A step-time model: seconds for a step with these features (StepTimeModel).
-
-    Assumed non-decreasing in every feature, as a fit with non-negative coefficients is.
-    """
-
-    def predict(self, features: StepFeatures) -> float: ...
 
 
 def step_time_limit(tpot_target_s: float, margin: float) -> float:
@@ -122,11 +115,45 @@ def harvest_budget(
     `batch` its batch_chunks(); `max_tokens` is what the step's token budget leaves. A
     step of batch alone is kept within `batch_step_limit_s` (None: no limit), and takes at
     least one token, so that batch always advances."""
+    limit_s = step_time_limit(tpot_target_s, margin)
+    return _harvest(model, interactive, batch, limit_s, max_tokens, batch_step_limit_s)
+
+
+def _harvest(
+    model: StepCost,
+    interactive: StepFeatures,
+    batch: Iterable[tuple[int, int]],
+    limit_s: float,
+    max_tokens: int,
+    batch_step_limit_s: float | None,
+) -> int:
+    """harvest_budget within a step limit of `limit_s`."""
     if interactive == StepFeatures():
         if batch_step_limit_s is None:
             return max_tokens
         return max(1, pack(model, interactive, batch, batch_step_limit_s, max_tokens))
-    return pack(model, interactive, batch, step_time_limit(tpot_target_s, margin), max_tokens)
+    return pack(model, interactive, batch, limit_s, max_tokens)
+
+
+def batch_budget(
+    model: StepCost,
+    interactive_chunks: list[tuple[int, int]],
+    running: Iterable[Request],
+    waiting: Iterable[Request],
+    *,
+    limit_s: float,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    block_size: int,
+    batch_step_limit_s: float | None = None,
+) -> int:
+    """The batch budget of a step whose interactive requests are planned as
+    `interactive_chunks` ((num_tokens, start_pos)), the batch ones being those of
+    `running` and `waiting` (harvest_budget, within a step limit of `limit_s`)."""
+    interactive = StepFeatures.of_chunks(interactive_chunks)
+    chunks = batch_chunks(running, waiting, max_num_seqs, block_size)
+    max_tokens = max_num_batched_tokens - sum(n for n, _ in interactive_chunks)
+    return _harvest(model, interactive, chunks, limit_s, max_tokens, batch_step_limit_s)
 
 
 def prefill_budget(
@@ -149,20 +176,48 @@ def prefill_budget(
     waiting ones, as batch_chunks() orders batch) are packed beside the decodes, and the
     budget is at least `min_tokens`, at most what the step's `max_tokens` leaves.
     """
-    decodes = StepFeatures()
-    num_decodes = 0
+    return prefill_budget_within(
+        model,
+        running,
+        waiting,
+        limit_s=step_time_limit(tpot_target_s, margin),
+        tpot_target_s=tpot_target_s,
+        max_num_seqs=max_num_seqs,
+        block_size=block_size,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        reference=reference,
+    )
+
+
+def prefill_budget_within(
+    model: StepCost,
+    running: Iterable[Request],
+    waiting: Iterable[Request],
+    *,
+    limit_s: float,
+    tpot_target_s: float,
+    max_num_seqs: int,
+    block_size: int,
+    max_tokens: int,
+    min_tokens: int,
+    reference: StepCost | None = None,
+) -> int | None:
+    """prefill_budget with the step limit given as `limit_s` (admission's StepLimit)."""
+    num_decodes = kv_read = 0  # the decodes' StepFeatures, summed as of_chunk sums them
     prompts: list[tuple[int, int]] = []
     for request in running:
         if not request.is_interactive:
             continue
         num_to_go = request.num_tokens - request.num_computed_tokens
         if num_to_go == 1:
-            decodes += StepFeatures.of_chunk(1, request.num_computed_tokens)
+            kv_read += request.num_computed_tokens + 1
             num_decodes += 1
         elif num_to_go > 1:
             prompts.append((request.num_computed_tokens, num_to_go))
     if not num_decodes:
         return None
+    decodes = StepFeatures(decode_seqs=num_decodes, kv_tokens_read=kv_read)
     # Pop order puts interactive first: stop at the first batch request, not scan them.
     waiting_interactive = takewhile(lambda r: r.is_interactive, waiting)
     for request in islice(waiting_interactive, max_num_seqs):
@@ -172,10 +227,9 @@ def prefill_budget(
         return None
     if not target_reachable(reference or model, tpot_target_s, min_tokens):
         return None
-    limit = step_time_limit(tpot_target_s, margin)
     room = max(0, max_tokens - num_decodes)
-    fits = pack(model, decodes, prompts, limit, room)
-    floor = with_floor(model, decodes, prompts, fits, limit, tpot_target_s, min_tokens, room)
+    fits = pack(model, decodes, prompts, limit_s, room)
+    floor = with_floor(model, decodes, prompts, fits, limit_s, tpot_target_s, min_tokens, room)
     return min(floor, room)
 
 
@@ -322,21 +376,17 @@ class PriorityBudgets:
 
     def batch_budget(self, interactive_chunks: list[tuple[int, int]]) -> int:
         """Given the step's planned interactive chunks as (num_tokens, start_pos)."""
-        interactive = StepFeatures()
-        for num_tokens, start_pos in interactive_chunks:
-            interactive += StepFeatures.of_chunk(num_tokens, start_pos)
         scheduler = self.scheduler
         config = scheduler.config
-        chunks = batch_chunks(
-            scheduler.running, scheduler.waiting, config.max_num_seqs, self.block_size
-        )
-        self.last_batch_budget = harvest_budget(
+        self.last_batch_budget = batch_budget(
             self.model,
-            interactive,
-            chunks,
-            tpot_target_s=self.tpot_target_s,
-            margin=self.margin,
-            max_tokens=config.max_num_batched_tokens - sum(n for n, _ in interactive_chunks),
+            interactive_chunks,
+            scheduler.running,
+            scheduler.waiting,
+            limit_s=step_time_limit(self.tpot_target_s, self.margin),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_size=self.block_size,
             batch_step_limit_s=self.batch_step_limit_s,
         )
         return self.last_batch_budget

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -96,10 +97,30 @@ class StepFeatures:
         return np.array(self.values(), dtype=np.float64)
 
 
+def step_seconds(coefficients: Sequence[float], features: StepFeatures) -> float:
+    """Seconds for a step: `coefficients` (TERMS order) times its features. The one place a
+    step is priced (LinearStepCost, StepTimeModel: harvest, admission, the simulator)."""
+    a, b, c, d, e = coefficients
+    return (
+        a
+        + b * features.prefill_tokens
+        + c * features.decode_seqs
+        + d * features.kv_tokens_read
+        + e * features.prefill_attention
+    )
+
+
+class StepCost(Protocol):
+    """A step-time model: seconds for a step with these features (StepTimeModel, ...).
+    Assumed non-decreasing in every feature, as a fit with non-negative coefficients is."""
+
+    def predict(self, features: StepFeatures) -> float: ...
+
+
 @dataclass(frozen=True)
 class LinearStepCost:
     """t = sum of coefficient x term over TERMS (the intercept per step): a step-time model
-    frozen at given coefficients (the profile's fit; the simulator's cost model)."""
+    frozen at given coefficients (the profile's fit; the simulator's cost model; admission's)."""
 
     coefficients: tuple[float, ...]
 
@@ -117,14 +138,7 @@ class LinearStepCost:
         return cls(tuple(float(coefficients.get(t, 0.0)) for t in TERMS))
 
     def predict(self, features: StepFeatures) -> float:
-        a, b, c, d, e = self.coefficients
-        return (
-            a
-            + b * features.prefill_tokens
-            + c * features.decode_seqs
-            + d * features.kv_tokens_read
-            + e * features.prefill_attention
-        )
+        return step_seconds(self.coefficients, features)
 
 
 def step_features(scheduler_output: SchedulerOutput) -> StepFeatures:
@@ -233,17 +247,7 @@ def nnls(a: Array, b: Array) -> Array:
 def relative_rows(samples: Iterable[StepSample]) -> Array:
     """Each sample's TERMS vector divided by its measured time: rows of a least-squares
     problem whose residual against 1 is the relative error."""
-    rows = [
-        (
-            1.0,
-            s.features.prefill_tokens,
-            s.features.decode_seqs,
-            s.features.kv_tokens_read,
-            s.features.prefill_attention,
-            s.seconds,
-        )
-        for s in samples
-    ]
+    rows = [(*s.features.values(), s.seconds) for s in samples]
     if not rows:
         return np.zeros((0, len(TERMS)))
     x = np.array(rows, dtype=float)
@@ -290,7 +294,7 @@ class StepTimeModel:
 
     def __init__(self, config: StepModelConfig | None = None) -> None:
         self.config = config or StepModelConfig()
-        self._coef = np.zeros(len(TERMS))
+        self._priced = LinearStepCost((0.0,) * len(TERMS))  # the fit's coefficients
         self.prior: list[StepSample] = []
         self._prior_gram = np.zeros((len(TERMS), len(TERMS)))
         self._prior_h = np.zeros(len(TERMS))
@@ -315,7 +319,8 @@ class StepTimeModel:
     def coefficients(self) -> dict[str, float]:
         """Seconds per unit of each of TERMS (the intercept in seconds per step), as
         `predict` prices steps: the fit's, scaled by the recent bias."""
-        return {t: float(c) * self.bias for t, c in zip(TERMS, self._coef, strict=True)}
+        coefficients = self._priced.coefficients
+        return {t: c * self.bias for t, c in zip(TERMS, coefficients, strict=True)}
 
     @property
     def profile_coefficients(self) -> dict[str, float]:
@@ -330,12 +335,15 @@ class StepTimeModel:
         return list(self._window)
 
     def predict(self, features: StepFeatures) -> float:
-        return float(features.vector() @ self._coef) * self.bias
+        return self._priced.predict(features) * self.bias
 
     def fit(self, samples: Sequence[StepSample]) -> None:
         """Fit on `samples` alone, replacing the coefficients (prior and window unused)."""
-        self._coef = fit_coefficients(samples, self.config.terms)
+        self._set_coefficients(fit_coefficients(samples, self.config.terms))
         self.fitted = len(samples) >= len(self.config.terms)
+
+    def _set_coefficients(self, coef: Array) -> None:
+        self._priced = LinearStepCost(tuple(float(c) for c in coef))
 
     def set_prior(self, samples: Sequence[StepSample]) -> None:
         """Keep `samples` (the start-up profile) in every later fit, and refit now."""
@@ -351,7 +359,8 @@ class StepTimeModel:
     def refit(self) -> None:
         rows = self._rows[: len(self._window)]
         gram = self._prior_gram + rows.T @ rows
-        self._coef = solve_relative(gram, self._prior_h + rows.sum(axis=0), self.config.terms)
+        coef = solve_relative(gram, self._prior_h + rows.sum(axis=0), self.config.terms)
+        self._set_coefficients(coef)
         self.fitted = len(self.prior) + len(self._window) >= len(self.config.terms)
         self._since_refit = 0
 
@@ -362,7 +371,7 @@ class StepTimeModel:
             return
         vector = features.vector()
         if self.fitted:
-            fitted = float(vector @ self._coef)
+            fitted = self._priced.predict(features)
             error = abs(fitted * self.bias - seconds) / seconds
             self._errors[self._num_errors % self.config.window] = error
             self._num_errors += 1

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from tokenfleet.policy.harvest import StepCost, harvest_budget
-from tokenfleet.policy.step_model import StepFeatures
+from tokenfleet.policy.harvest import harvest_budget
+from tokenfleet.policy.step_model import StepCost, StepFeatures
 
 
 def batch_decodes_fit(

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenfleet.policy.harvest import StepCost
 from tokenfleet.policy.step_model import (
     LinearStepCost,
+    StepCost,
     StepFeatures,
     StepModelConfig,
     StepSample,
