@@ -57,6 +57,7 @@ from tokenfleet.policy.step_model import (
     fit_coefficients,
     nnls,
     relative_rows,
+    step_seconds,
 )
 
 RESULT_NAME = "step_model_fit"
@@ -101,13 +102,13 @@ def run_workload(
             engine.add_request(EngineCoreRequest(str(i), prompt, params, time.monotonic()))
         num_steps += 1
         model = engine.step_model
-        coef = np.array(list(model.coefficients.values()))
+        coef = list(model.coefficients.values())  # as they stood before the step
         observed = model.num_observed
         engine.step()
         if model.num_observed > observed:
             sample = model.samples[-1]
             samples.append(sample)
-            online.append(float(sample.features.vector() @ coef))
+            online.append(step_seconds(coef, sample.features))
     return samples, online
 
 
@@ -179,6 +180,7 @@ def fit_small_batch(samples: Sequence[StepSample]) -> np.ndarray:
 
 
 def predict_small_batch(samples: Sequence[StepSample], coef: np.ndarray) -> list[float]:
+    # Seven terms, not the library's model (step_seconds prices its five): the diagnostic's own.
     seconds = np.array([s.seconds for s in samples])
     return (small_batch_rows(samples) @ coef * seconds).tolist()
 
@@ -226,7 +228,7 @@ def evaluate(prior: list[StepSample], samples: list[StepSample]) -> dict[str, An
 
 
 def _predict(sample: StepSample, coef: np.ndarray) -> float:
-    return float(sample.features.vector() @ coef)
+    return step_seconds(coef.tolist(), sample.features)
 
 
 def plot(samples: list[StepSample], results: dict[str, Any], path: Path) -> None:

@@ -4,10 +4,13 @@ same queue: without KV pressure (blocks to spare, no interactive reserve) or pre
 under fcfs (one class), priority classes without budgets, and the priority policy with
 harvest's budgets (PriorityBudgets, as the engine plans); the steps are driven by the
 FakeModelRunner. bench/admission_error.py measures the error on queues with KV pressure
-or prefix hits."""
+or prefix hits. The folded replay (Replay's `fold`: the interactive class's head decodes
+as counts, predict_ttft's default) is held to the same steps (its requests' split and
+each step's features) and its predictions to the plain replay's, exactly."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -21,9 +24,9 @@ from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Reques
 from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.scheduler_output import SchedulerOutput
-from tokenfleet.policy.admission import Replay, StepLimit
+from tokenfleet.policy.admission import Decodes, Replay, StepLimit, predict_ttft
 from tokenfleet.policy.harvest import PriorityBudgets, step_time_limit
-from tokenfleet.policy.step_model import LinearStepCost
+from tokenfleet.policy.step_model import TERMS, LinearStepCost, step_features
 
 BLOCK_SIZE = 16
 # Seconds (in ticks) a step costs: its intercept, a prefill token, a decode, a KV token
@@ -106,7 +109,7 @@ class Engine:
         self.scheduler.update(out, self.runner.execute(out))
         return out
 
-    def replay(self) -> Replay:
+    def replay(self, *, fold: bool = False) -> Replay:
         """Admission's Replay of the scheduler's queue as it stands: every request's
         lengths, class and place (running, in order; waiting, in pop order)."""
         config = self.scheduler.config
@@ -118,6 +121,7 @@ class Engine:
             model=MODEL,
             block_size=BLOCK_SIZE,
             batch_step_limit_s=self.queue.batch_step_limit_s,
+            fold=fold,
         )
         running = [(r, True) for r in self.scheduler.running]
         for request, is_running in [*running, *((r, False) for r in self.scheduler.waiting)]:
@@ -149,14 +153,22 @@ def check_replay_matches(queue: Queue, num_steps: int = 40) -> tuple[int, int]:
                 engine.add(f"r{i}", num_tokens, interactive)
         if step < last:
             engine.step()
-    replay = engine.replay()
+    replay, folded = engine.replay(), engine.replay(fold=True)
     busy = num_preempted = 0
     for step in range(num_steps):
         predicted = [(c.request.req_id, c.num_tokens, c.start_pos) for c in replay.step()]
         preempted = [r.req_id for r in replay.planner.last_preempted]
+        chunks = folded.step()
         out = engine.step()
         assert predicted == split_of(out), f"step {step} after the snapshot"
         assert preempted == list(out.preempted_req_ids), f"step {step} after the snapshot"
+        # The folded replay: its requests' split, the folded decodes' count and the step.
+        mine = [(c.request.req_id, c.num_tokens, c.start_pos) for c in chunks]
+        ids = {m[0] for m in mine}
+        assert mine == [s for s in predicted if s[0] in ids], f"step {step} after the snapshot"
+        assert len(mine) + folded.num_folded == len(predicted), f"step {step} after the snapshot"
+        assert folded.features(chunks) == step_features(out), f"step {step} after the snapshot"
+        assert [r.req_id for r in folded.planner.last_preempted] == preempted
         busy += bool(out.scheduled)
         num_preempted += len(preempted)
     return busy, num_preempted
@@ -228,3 +240,67 @@ def test_fake_runner_replay_splits_random_queues_as_the_scheduler(
         batch_step_limit_s=batch_step_limit_s,
     )
     check_replay_matches(queue, num_steps=25)
+
+
+COEFFICIENTS = dict(zip(TERMS, MODEL.coefficients, strict=True))
+
+
+@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    max_num_batched_tokens=st.integers(1, 96),
+    num_prompt_tokens=st.integers(1, 300),
+    prompts_ahead=st.lists(st.integers(1, 300), max_size=6),
+    interactive=st.tuples(st.integers(0, 40), st.integers(0, 8000)),
+    batch=st.tuples(st.integers(0, 40), st.integers(0, 8000)),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    tpot_target_s=st.sampled_from([1.5, 2.5, 4.0, 16.0]),
+    min_prefill_chunk=st.sampled_from([1, 4, 16]),
+    batch_in_flight=st.sampled_from([None, True, False]),
+    profiled=st.booleans(),
+    long_prefill_cap=st.sampled_from([0, 1, 8, 32]),
+    stop_over=st.sampled_from([math.inf, 3.0, 30.0, 300.0]),
+    max_steps=st.sampled_from([2, 8, 64]),
+    max_num_seqs=st.one_of(st.none(), st.integers(1, 60)),
+)
+def test_folded_replay_predicts_the_plain_replays_ttft_exactly(
+    max_num_batched_tokens: int,
+    num_prompt_tokens: int,
+    prompts_ahead: list[int],
+    interactive: tuple[int, int],
+    batch: tuple[int, int],
+    policy: str,
+    tpot_target_s: float,
+    min_prefill_chunk: int,
+    batch_in_flight: bool | None,
+    profiled: bool,
+    long_prefill_cap: int,
+    stop_over: float,
+    max_steps: int,
+    max_num_seqs: int | None,
+) -> None:
+    """predict_ttft folded (its default) and plain: the same float, on random queues of
+    decodes (more than the step's tokens or slots too) and prompts, under fcfs and the
+    priority policy, with step limits, long prefill caps, max_num_seqs, strides and the
+    stop over a target."""
+    limit = None
+    if policy == "priority":
+        seconds = step_time_limit(tpot_target_s, MARGIN)
+        limit = StepLimit(seconds, min_prefill_chunk, tpot_target_s)
+    profile = {**COEFFICIENTS, "intercept": 0.9} if profiled else None
+    args = (
+        COEFFICIENTS,
+        max_num_batched_tokens,
+        num_prompt_tokens,
+        prompts_ahead,
+        Decodes(*interactive),
+        Decodes(*batch),
+        limit,
+        batch_in_flight,
+        profile,
+        long_prefill_cap,
+        stop_over,
+        max_steps,
+    )
+    folded = predict_ttft(*args, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE)
+    plain = predict_ttft(*args, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE, fold=False)
+    assert folded == plain

@@ -20,7 +20,13 @@ from typing import Any
 from tokenfleet.core.block_pool import BlockPool
 from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from tokenfleet.policy.step_model import TERMS, StepSample, fit_coefficients, step_features
+from tokenfleet.policy.step_model import (
+    TERMS,
+    StepSample,
+    fit_coefficients,
+    step_features,
+    step_seconds,
+)
 
 # One synthetic step: (num_tokens, start_pos) per request.
 ProfileStep = list[tuple[int, int]]
@@ -145,7 +151,7 @@ def run_profile(
         features = step_features(_scheduler_output(step, [[] for _ in step]))
         if len(samples) >= len(TERMS):  # the first steps cover every term
             coef = fit_coefficients(samples)
-            if clock() - began + float(features.vector() @ coef) > max_seconds:
+            if clock() - began + step_seconds(coef.tolist(), features) > max_seconds:
                 continue
         sizes = [_cdiv(start + n, block_size) for n, start in step]
         blocks = pool.get_new_blocks(sum(sizes))
