@@ -19,7 +19,14 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, str]] = {
     "TOKENFLEET_PORT": ("8000", "port `tokenfleet serve` listens on"),
     "TOKENFLEET_API_KEY": ("", "an API key callers must send (x-api-key or Bearer)"),
     "TOKENFLEET_URL": ("http://127.0.0.1:8000", "the server `tokenfleet batch` calls"),
-    "TOKENFLEET_API_KEYS_FILE": ("", "a file of API keys, one per line"),
+    "TOKENFLEET_API_KEYS_FILE": (
+        "",
+        "a file of API keys, one a line: `KEY` or `KEY GROUP` (a key alone is its own group)",
+    ),
+    "TOKENFLEET_OPERATOR_KEY": (
+        "",
+        "the key that opens /metrics and admin routes (x-api-key or Bearer); not a caller's",
+    ),
     "TOKENFLEET_MODEL": ("", "a Hugging Face model folder (default: the bundled model)"),
     "TOKENFLEET_DATA_DIR": (
         "~/.local/share/tokenfleet",

@@ -495,7 +495,8 @@ def _check_error(response: httpx.Response, status: int, kind: str) -> str:
     assert response.status_code == status, response.text
     assert response.headers["request-id"].startswith("req_")
     body = response.json()
-    assert set(body) == {"type", "error"} and body["type"] == "error"
+    assert set(body) == {"type", "error", "request_id"} and body["type"] == "error"
+    assert body["request_id"] == response.headers["request-id"]
     assert set(body["error"]) == {"type", "message"}
     assert body["error"]["type"] == kind
     return str(body["error"]["message"])
@@ -611,6 +612,7 @@ def test_models_list_and_retrieve(server: LiveServer) -> None:
             "type": "not_found_error",
             "message": f"model 'claude-x' not found; this server serves '{MODEL}'",
         },
+        "request_id": info.value.request_id,
     }
 
 

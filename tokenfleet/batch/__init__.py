@@ -25,6 +25,7 @@ from tokenfleet.batch.store import (
     BatchNotEnded,
     BatchStore,
     BatchStoreError,
+    QuotaExceeded,
     SchemaTooNew,
     engine_url,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "NewBatch",
     "NewRequest",
     "Outcome",
+    "QuotaExceeded",
     "RequestStatus",
     "ResultRow",
     "SchemaTooNew",

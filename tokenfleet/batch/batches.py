@@ -14,7 +14,13 @@ from typing import Any
 from sqlalchemy import Connection, delete, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from tokenfleet.batch.database import BatchStoreError, StoreBase, keyset, logger
+from tokenfleet.batch.database import (
+    BatchStoreError,
+    QuotaExceeded,
+    StoreBase,
+    keyset,
+    logger,
+)
 from tokenfleet.batch.schema import (
     REQUEST_STATUSES,
     Api,
@@ -43,12 +49,19 @@ class BatchNotEnded(BatchStoreError):
 class BatchesMixin(StoreBase):
     """The batch methods of BatchStore."""
 
-    def create_batch(self, batch: NewBatch, requests: Iterable[NewRequest]) -> BatchRow:
+    def create_batch(
+        self,
+        batch: NewBatch,
+        requests: Iterable[NewRequest],
+        max_queued: int | None = None,
+    ) -> BatchRow:
         """Stores the batch and its requests, all or nothing, in one transaction.
 
         Requests are numbered in order and inserted `INSERT_CHUNK` at a time, so the
         iterable is never held whole. If this owner already created a batch with the same
-        idempotency key, that batch comes back and nothing is inserted.
+        idempotency key, that batch comes back and nothing is inserted. `max_queued`: the
+        owner's quota of requests not yet run (queued or leased, this batch's included);
+        over it, nothing is stored and QuotaExceeded is raised.
         """
         if batch.idempotency_key is not None:
             existing = self._get_by_idempotency_key(batch.owner, batch.idempotency_key)
@@ -57,6 +70,19 @@ class BatchesMixin(StoreBase):
         try:
             with self.engine.begin() as conn:
                 num_requests = _insert_batch(conn, batch, requests)
+                if max_queued is not None and num_requests:
+                    # Counted after the insert, in its transaction: racing creates of one
+                    # owner cannot both slip under the quota (SQLite has one writer;
+                    # PostgreSQL may let two through at worst, by one batch each).
+                    queued = self._queued_of(conn, batch.owner)
+                    if queued > max_queued:
+                        raise QuotaExceeded(
+                            f"this batch would bring your requests waiting to run to "
+                            f"{queued}, over your quota of {max_queued}; wait for your "
+                            "batches to finish, or cancel one",
+                            queued=queued - num_requests,
+                            quota=max_queued,
+                        )
         except IntegrityError:
             # A racing create with the same key committed first.
             if batch.idempotency_key is None:
@@ -74,6 +100,22 @@ class BatchesMixin(StoreBase):
         created = self.get_batch(batch.id, batch.owner)
         assert created is not None
         return created
+
+    def queued_requests(self, owner: str) -> int:
+        """How many of this owner's requests are waiting to run (queued or leased)."""
+        with self._reader.begin() as conn:
+            return self._queued_of(conn, owner)
+
+    @staticmethod
+    def _queued_of(conn: Connection, owner: str) -> int:
+        open_ids = select(_b.id).where(_b.owner == owner, _b.state == "in_progress")
+        return int(
+            conn.execute(
+                select(func.count()).where(
+                    _r.batch_id.in_(open_ids), _r.status.in_(("queued", "leased"))
+                )
+            ).scalar_one()
+        )
 
     def _get_by_idempotency_key(self, owner: str, key: str) -> BatchRow | None:
         with self._reader.begin() as conn:

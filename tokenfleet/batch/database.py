@@ -1,7 +1,8 @@
 """The batch store's database: engine, dialect handling, migrations, and the base class.
 
 SQLAlchemy Core over SQLite (one gateway) or PostgreSQL (several gateways sharing one
-database). On SQLite every connection gets WAL and a busy timeout, and every write
+database). On SQLite every connection gets WAL, synchronous=FULL (a commit is on disk
+before it returns) and a busy timeout, and every write
 transaction is `BEGIN IMMEDIATE` (one writer at a time, WAL for readers); reads go
 through `StoreBase._reader`, whose transactions begin deferred. PostgreSQL needs no
 such setup: its lease claims use `SELECT ... FOR UPDATE SKIP LOCKED` (see leases.py).
@@ -21,11 +22,13 @@ from typing import Any, Self
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Double,
     and_,
     create_engine,
     event,
     func,
     insert,
+    literal_column,
     or_,
     select,
 )
@@ -45,6 +48,15 @@ _MIGRATE_LOCK_KEY = 0x746F6B656E666C74
 
 class BatchStoreError(TokenfleetError):
     """Base of the batch store's own errors."""
+
+
+class QuotaExceeded(BatchStoreError):
+    """A create that would put an owner over its quota of queued requests (HTTP 429)."""
+
+    def __init__(self, message: str, *, queued: int, quota: int) -> None:
+        super().__init__(message)
+        self.queued = queued
+        self.quota = quota
 
 
 class SchemaTooNew(BatchStoreError):
@@ -79,6 +91,15 @@ class StoreBase:
         self._reader = self.engine.execution_options(tokenfleet_read_only=True)
         if migrate:
             self.migrate()
+
+    def db_now(self) -> ColumnElement[float]:
+        """The database's clock, in Unix seconds, as SQL: lease expiry is set and judged by
+        it, so that gateways whose clocks disagree still agree on which leases expired."""
+        if self.is_sqlite:
+            return literal_column("((julianday('now') - 2440587.5) * 86400.0)", Double())
+        return literal_column(
+            "CAST(EXTRACT(EPOCH FROM clock_timestamp()) AS DOUBLE PRECISION)", Double()
+        )
 
     def close(self) -> None:
         self.engine.dispose()
@@ -150,7 +171,9 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor = dbapi_conn.cursor()
         cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
         _set_wal(cursor)
-        cursor.execute("PRAGMA synchronous = NORMAL")
+        # FULL: a committed result survives a power loss too, not only a crash of the
+        # process (NORMAL in WAL mode may lose the last transactions to a power loss).
+        cursor.execute("PRAGMA synchronous = FULL")
         cursor.execute("PRAGMA foreign_keys = ON")
         cursor.close()
 

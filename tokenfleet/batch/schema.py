@@ -6,7 +6,8 @@ Request states (`batch_requests.status`); one row per request of a batch:
       │                   │
       │                   └─ release() / requeue_owner() / requeue_expired_leases():
       │                        batch canceling   ─► canceled
-      │                        attempts >= max   ─► errored
+      │                        failures >= max   ─► errored  (only an ending with an error
+      │                                                       counts a failure)
       │                        otherwise         ─► queued  (the next lease bumps lease_epoch,
       │                                                      so the old holder's result is refused)
       ├─ cancel_batch() ───► canceled
@@ -37,6 +38,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 
 Api = Literal["anthropic", "openai"]
@@ -101,7 +103,10 @@ batch_requests = Table(
     # scan of this table (no join, no sort of every queued row).
     Column("deadline", Double, nullable=False),
     Column("submitted_at", Double, nullable=False),
-    Column("attempts", Integer, nullable=False),
+    Column("attempts", Integer, nullable=False),  # times leased
+    # Attempts that failed through the request itself (its engine died while running it);
+    # at max attempts it ends errored. A gateway's stop or a lease's expiry counts none.
+    Column("failures", Integer, nullable=False, server_default="0"),
     Column("lease_owner", Text),
     Column("lease_epoch", Integer, nullable=False),
     Column("lease_expires_at", Double),
@@ -137,14 +142,52 @@ files = Table(
 
 
 def _create_v1_tables(conn: Connection) -> None:
-    # Migrations are frozen history: this creates the tables as they stand above, which is
-    # version 1. When a table changes, add a migration that alters it, and give this one
-    # its own copy of the version 1 definitions first.
-    metadata.create_all(conn, tables=[batches, batch_requests, files])
+    # Migrations are frozen history: this creates the tables as they stood at version 1
+    # (batch_requests without `failures`). When a table changes, add a migration that
+    # alters it, and give this one its own copy of that table's version 1 definition.
+    v1 = MetaData()
+    v1_batches = batches.to_metadata(v1)
+    v1_files = files.to_metadata(v1)
+    v1_requests = Table(
+        "batch_requests",
+        v1,
+        Column("batch_id", Text, ForeignKey("batches.id"), nullable=False),
+        Column("idx", Integer, nullable=False),
+        Column("custom_id", Text, nullable=False),
+        Column("params", Text, nullable=False),
+        Column("prefix_key", Text, nullable=False),
+        Column("status", Text, nullable=False),
+        Column("deadline", Double, nullable=False),
+        Column("submitted_at", Double, nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("lease_owner", Text),
+        Column("lease_epoch", Integer, nullable=False),
+        Column("lease_expires_at", Double),
+        Column("result", Text),
+        Column("finished_at", Double),
+        PrimaryKeyConstraint("batch_id", "idx"),
+        Index(
+            "ix_batch_requests_lease",
+            "status",
+            "deadline",
+            "submitted_at",
+            "batch_id",
+            "prefix_key",
+            "idx",
+        ),
+        Index("ix_batch_requests_counts", "batch_id", "status"),
+    )
+    v1.create_all(conn, tables=[v1_batches, v1_requests, v1_files])
+
+
+def _add_failures(conn: Connection) -> None:
+    # Version 2: failed attempts apart from leases, so that only a request's own failures
+    # use up its attempts.
+    conn.execute(text("ALTER TABLE batch_requests ADD COLUMN failures INTEGER NOT NULL DEFAULT 0"))
 
 
 # MIGRATIONS[n] takes the schema from version n to n + 1; append, never edit or reorder.
-MIGRATIONS: tuple[Callable[[Connection], None], ...] = (_create_v1_tables,)
+MIGRATIONS: tuple[Callable[[Connection], None], ...] = (_create_v1_tables, _add_failures)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

@@ -22,6 +22,7 @@ from tokenfleet.batch.batches import (
 from tokenfleet.batch.database import (
     SQLITE_BUSY_TIMEOUT_MS,
     BatchStoreError,
+    QuotaExceeded,
     SchemaTooNew,
     engine_url,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "BatchNotEnded",
     "BatchStore",
     "BatchStoreError",
+    "QuotaExceeded",
     "SchemaTooNew",
     "engine_url",
 ]

@@ -18,12 +18,20 @@ def _serve(args: argparse.Namespace) -> int:
 
     from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
     from tokenfleet.server.app import create_app
+    from tokenfleet.server.connections import ReadDeadlines
+    from tokenfleet.server.keys import KeyRefused, gather_keys
+    from tokenfleet.server.limits import GroupLimits
     from tokenfleet.server.settings import BatchConfig, ServeConfig
 
-    keys = set(args.api_key or [])
-    if args.api_keys_file:
-        lines = Path(args.api_keys_file).read_text().splitlines()
-        keys |= {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+    try:
+        groups, operator_key = gather_keys(
+            args.api_key or [],
+            Path(args.api_keys_file) if args.api_keys_file else None,
+            args.operator_key if args.operator_key is not None else None,
+        )
+    except (KeyRefused, OSError) as exc:
+        print(f"tokenfleet serve: {exc}", file=sys.stderr)
+        return 2
     try:
         cache = CacheConfig(
             block_size=args.block_size,
@@ -57,9 +65,29 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             served_model_name=args.served_model_name,
-            api_keys=frozenset(keys),
+            api_keys=frozenset(groups),
+            key_groups=tuple(groups.items()),
+            operator_key=operator_key,
+            limits=GroupLimits(
+                max_concurrent=args.max_concurrent_requests_per_group,
+                requests_per_minute=args.requests_per_minute_per_group,
+                tokens_per_minute=args.tokens_per_minute_per_group,
+            ),
+            read_deadlines=ReadDeadlines(
+                header_timeout_s=args.header_timeout,
+                body_timeout_s=args.body_timeout,
+                max_header_bytes=args.max_header_bytes,
+            ),
+            max_connections=args.max_connections,
+            keep_alive_s=args.keep_alive_timeout,
+            stream_stall_timeout_s=args.stream_stall_timeout,
+            offload_body_bytes=args.offload_body_bytes,
+            check_threads=args.check_threads,
             max_body_bytes=args.max_body_bytes,
             ttft_target_s=args.ttft_target,
+            engine_start_timeout_s=args.engine_start_timeout,
+            engine_restart_backoff_s=args.engine_restart_backoff,
+            engine_restart_backoff_max_s=args.engine_restart_backoff_max,
             engine=engine,
             batch=BatchConfig(
                 data_dir=args.data_dir,
@@ -70,11 +98,16 @@ def _serve(args: argparse.Namespace) -> int:
                 batch_expiry_s=args.batch_expiry,
                 lease_s=args.lease_seconds,
                 retention_s=args.batch_retention,
+                max_attempts=args.batch_max_attempts,
+                max_queued_per_key=args.max_queued_batch_requests,
             ),
         )
     except ValueError as exc:
         print(f"tokenfleet serve: {exc}", file=sys.stderr)
         return 2
+    from tokenfleet.server.connections import protocol_class, raise_open_files_limit
+
+    raise_open_files_limit(config.max_connections)
     app = create_app(config)
     server_config = uvicorn.Config(
         app,
@@ -87,6 +120,11 @@ def _serve(args: argparse.Namespace) -> int:
         # The client's address is not used (no per-address limits or logs by default): no
         # X-Forwarded-* parsing on every request.
         proxy_headers=False,
+        # Deadlines on reading a request's headers and body (half-sent connections are
+        # closed), a bound on its headers' size, and on connections open at once.
+        http=protocol_class(config.read_deadlines),
+        limit_concurrency=config.max_connections,
+        timeout_keep_alive=config.keep_alive_s,  # type: ignore[arg-type]
     )
     server = uvicorn.Server(server_config)
     # The gateway counts the requests uvicorn has taken in and not yet sent to the engine.
@@ -124,12 +162,111 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
     add(
         "--api-keys-file",
         default=envs.get("TOKENFLEET_API_KEYS_FILE") or None,
-        help="keys, one a line",
+        help="keys, one a line: `KEY` or `KEY GROUP` (a group shares rate limits and the "
+        "prefix cache; a key alone is its own group); a blank line is refused",
+    )
+    add(
+        "--operator-key",
+        default=envs.get("TOKENFLEET_OPERATOR_KEY") or None,
+        help="the key /metrics and admin routes need once keys are set; it must differ from "
+        "every caller's key (and opens no API route)",
+    )
+    add(
+        "--max-concurrent-requests-per-group",
+        type=int,
+        default=64,
+        help="interactive requests of one key group running at once; 429 beyond (0: no "
+        "limit) (default %(default)s)",
+    )
+    add(
+        "--requests-per-minute-per-group",
+        type=int,
+        default=1200,
+        help="interactive requests a minute per key group; 429 with retry-after beyond "
+        "(0: no limit) (default %(default)s)",
+    )
+    add(
+        "--tokens-per-minute-per-group",
+        type=int,
+        default=2_000_000,
+        help="tokens a minute per key group, each engine request charged its prompt plus "
+        "max_tokens when it starts (OpenAI's accounting; n choices: n requests); 429 beyond "
+        "(0: no limit) (default %(default)s)",
+    )
+    add(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to send a request's line and headers; the connection is closed after "
+        "(default %(default)s)",
+    )
+    add(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a request body may pause; the connection is closed after "
+        "(default %(default)s)",
+    )
+    add(
+        "--max-header-bytes",
+        type=int,
+        default=64 * 1024,
+        help="request line and headers together; 431 above (default %(default)s)",
+    )
+    add(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="connections open at once; a request beyond is a 503 (default %(default)s)",
+    )
+    add(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection is held (default %(default)s)",
+    )
+    add(
+        "--stream-stall-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a stream may wait on a reader that fell behind (the server's send "
+        "buffer full) before it is aborted and its KV blocks freed (default %(default)s)",
+    )
+    add(
+        "--offload-body-bytes",
+        type=int,
+        default=16 * 1024,
+        help="generation bodies over this are checked and tokenized in a thread pool, off "
+        "the event loop (default %(default)s)",
+    )
+    add(
+        "--check-threads",
+        type=int,
+        default=2,
+        help="threads that check and tokenize large bodies (default %(default)s)",
     )
     add("--access-log", action="store_true", help="log a line per HTTP request (default off)")
     add("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit (413 above)")
     add(
         "--ttft-target", type=float, default=2.0, help="seconds; predicted TTFT above it is refused"
+    )
+    add(
+        "--engine-start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds; an engine process not ready this long after its start is killed",
+    )
+    add(
+        "--engine-restart-backoff",
+        type=float,
+        default=0.5,
+        help="seconds before the second restart in a row of the engine; doubles each time",
+    )
+    add(
+        "--engine-restart-backoff-max",
+        type=float,
+        default=60.0,
+        help="seconds; the most the engine's restart backoff grows to",
     )
     add(
         "--tpot-target",
@@ -231,4 +368,17 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
     )
     add("--batch-expiry", type=float, default=24 * 3600.0, help="seconds a batch may take")
     add("--lease-seconds", type=float, default=120.0, help="batch request lease, renewed")
+    add(
+        "--batch-max-attempts",
+        type=int,
+        default=3,
+        help="times a batch request may fail through its own fault (its engine died while "
+        "running it) before it ends errored; a gateway stop or lease expiry counts none",
+    )
+    add(
+        "--max-queued-batch-requests",
+        type=int,
+        default=1_000_000,
+        help="per API key: batch requests waiting to run at most (a create over it is a 429)",
+    )
     serve.set_defaults(func=_serve)

@@ -19,6 +19,9 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     deadline: float | None = None
+    # Prefix-cache isolation (as vLLM's cache_salt): requests share cached blocks only with
+    # requests of the same salt (the gateway sends the caller's key group); None: no salt.
+    cache_salt: str | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -30,7 +33,9 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one request gained in one step. finish_reason: "stop", "length" or "abort"."""
+    """What one request gained in one step. finish_reason: "stop", "length", "abort" or
+    "error" (the request failed on its own, `error` says how; the engine's other requests
+    go on)."""
 
     req_id: str
     new_token_ids: list[int]
@@ -40,6 +45,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     # With the first output of a request that asked for them: prompt tokens 1, 2, ...
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # With finish_reason "error": what failed (its sampling, its output's encoding, ...).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

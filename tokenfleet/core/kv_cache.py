@@ -7,6 +7,7 @@ hash(parent_hash, tokens), so equal prefixes share blocks across requests.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from tokenfleet.core.block_pool import BlockPool, KVCacheBlock
@@ -21,12 +22,25 @@ def hash_block_tokens(parent_hash: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def root_hash(cache_salt: str | None) -> int:
+    """The parent of a request's first block: ROOT_HASH, or with a salt a root of its own,
+    so that no block of one salt's chain equals a block of another's (vLLM's cache_salt).
+    From a digest of the salt, not hash(str): that differs between processes."""
+    if not cache_salt:
+        return ROOT_HASH
+    digest = hashlib.sha256(cache_salt.encode()).digest()
+    return hash((ROOT_HASH, int.from_bytes(digest[:8], "little")))
+
+
 def compute_block_hashes(
-    token_ids: Sequence[int], block_size: int, hashes: list[int] | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    hashes: list[int] | None = None,
+    cache_salt: str | None = None,
 ) -> list[int]:
     """Extend `hashes` (the hashes already known) to every full block of `token_ids`."""
     hashes = [] if hashes is None else hashes
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else root_hash(cache_salt)
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, tuple(token_ids[start : start + block_size]))
         hashes.append(parent)
@@ -137,7 +151,9 @@ class KVCacheManager:
         return num_needed - (self.pool.num_free_blocks - num_free_hits)
 
     def _update_block_hashes(self, request: Request) -> None:
-        compute_block_hashes(request.all_token_ids, self.block_size, request.block_hashes)
+        compute_block_hashes(
+            request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
+        )
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that this step fills with known tokens."""

@@ -67,8 +67,11 @@ class Request:
         eos_token_id: int | None = None,
         priority: int = 0,
         deadline: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.req_id = req_id
+        # Salts the first block's hash: prefix-cache hits only among requests of one salt.
+        self.cache_salt = cache_salt
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time
         self.eos_token_id = eos_token_id

@@ -3,6 +3,8 @@
 Starts the engine process, sends it requests and aborts over ZMQ, and routes each step's
 outputs to the asyncio queue of the request they belong to. A watchdog notices a dead or
 silent engine, fails every request in flight with EngineDeadError and starts a new one.
+(Over 400 lines: the process's whole lifecycle, start, watch, back off and restart, stays
+in one place with the queues it fails.)
 """
 
 from __future__ import annotations
@@ -51,6 +53,16 @@ class EngineDeadError(TokenfleetError):
     """The engine process died or went silent; requests in flight are lost (HTTP 503)."""
 
 
+class RequestFailedError(TokenfleetError):
+    """The engine ended this request with an error of its own (finish_reason "error": its
+    sampling, its output's encoding, ...); the engine and its other requests go on."""
+
+    def __init__(self, req_id: str, message: str) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+        self.message = message
+
+
 class AsyncEngineClient:
     def __init__(
         self,
@@ -58,10 +70,21 @@ class AsyncEngineClient:
         *,
         heartbeat_timeout_s: float = 30.0,
         startup_timeout_s: float = 600.0,
+        restart_backoff_s: float = 0.5,
+        restart_backoff_max_s: float = 60.0,
     ) -> None:
         self.config = config
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # An engine that has not sent EngineReady this long after it was started is killed
+        # (and, after the first start, started again).
         self.startup_timeout_s = startup_timeout_s
+        # Restarts back off: the n-th in a row waits restart_backoff_s * 2**(n-1), at most
+        # restart_backoff_max_s; an engine that stays ready that long ends the row.
+        self.restart_backoff_s = restart_backoff_s
+        self.restart_backoff_max_s = restart_backoff_max_s
+        self._restarts_in_a_row = 0
+        self._spawned_at = 0.0
+        self._ready_at: float | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="tokenfleet-"))
         self._ctx = zmq.asyncio.Context()
         self._ctx.setsockopt(zmq.LINGER, 0)
@@ -143,6 +166,8 @@ class AsyncEngineClient:
 
     def _spawn(self) -> None:
         self._ready.clear()
+        self._ready_at = None
+        self._spawned_at = time.monotonic()
         self._generation += 1
         config_json = msgspec.json.encode(self.config).decode()
         argv = [sys.executable, "-m", "tokenfleet.engine.process"]
@@ -150,26 +175,48 @@ class AsyncEngineClient:
         self._proc = subprocess.Popen(argv, env=os.environ.copy())
         logger.info("engine process %d started", self._proc.pid)
 
+    def restart_delay(self) -> float:
+        """How long to wait before the next restart: the backoff of the restarts in a row
+        (none for the first after an engine that stayed up)."""
+        ready_at = self._ready_at
+        if ready_at is not None and time.monotonic() - ready_at >= self.restart_backoff_max_s:
+            self._restarts_in_a_row = 0
+        n = self._restarts_in_a_row
+        if n == 0:
+            return 0.0
+        return min(self.restart_backoff_max_s, self.restart_backoff_s * 2.0 ** (n - 1))
+
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.2)
             assert self._proc is not None
+            now = time.monotonic()
             dead = self._proc.poll() is not None
-            silent = (
-                self._ready.is_set()
-                and time.monotonic() - self.last_heartbeat > self.heartbeat_timeout_s
+            silent = self._ready.is_set() and now - self.last_heartbeat > self.heartbeat_timeout_s
+            hung_start = not self._ready.is_set() and now - self._spawned_at > (
+                self.startup_timeout_s
             )
-            if (dead or silent) and not self._closing:
+            if (dead or silent or hung_start) and not self._closing:
+                if dead:
+                    why = f"exited with {self._proc.returncode}"
+                elif silent:
+                    why = "stopped answering"
+                else:
+                    why = f"sent no EngineReady within {self.startup_timeout_s:g} s of its start"
+                delay = self.restart_delay()
                 logger.error(
-                    "engine process %d %s: restarting",
-                    self._proc.pid,
-                    f"exited with {self._proc.returncode}" if dead else "stopped answering",
+                    "engine process %d %s: restarting in %.1f s", self._proc.pid, why, delay
                 )
                 if not dead:
                     self._proc.kill()
                     await asyncio.to_thread(self._proc.wait)
                 self._fail_all(EngineDeadError("the engine process died; the request was lost"))
                 self.num_restarts += 1
+                self._restarts_in_a_row += 1
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if self._closing:
+                    return
                 self._spawn()
 
     def _fail_all(self, error: Exception) -> None:
@@ -193,6 +240,7 @@ class AsyncEngineClient:
                         queue.put_nowait((now, output))
             elif isinstance(message, EngineReady):
                 self.info = message
+                self._ready_at = now
                 self._ready.set()
                 logger.info("engine ready: %s", message)
             elif isinstance(message, RequestRejected):
@@ -224,10 +272,13 @@ class AsyncEngineClient:
         else:
             # The engine starts its arrival window on this one, told how many are coming.
             try:
-                self._send_now(AddRequests([request], num_pending))
+                failed = self._send_now(AddRequests([request], num_pending))
             except BaseException:
                 del self._queues[request.req_id]
                 raise
+            if failed:
+                del self._queues[request.req_id]
+                raise failed[request.req_id]
             self._turn_open = True
             loop = asyncio.get_running_loop()
             loop.call_soon(loop.call_soon, self._end_turn)
@@ -294,28 +345,63 @@ class AsyncEngineClient:
         if not requests and not (counted_after_poll and self._told_num_pending):
             return
         num_pending = count_after_poll if counted_after_poll else self._adds_num_pending
+        # Whatever goes wrong here fails these requests (this runs from the event loop's
+        # callbacks too, where an exception would be logged and the requests forgotten).
+        failed: dict[str, Exception]
         try:
-            self._send_now(AddRequests(requests, num_pending, counted_after_poll))
-        except EngineDeadError as exc:
-            for request in requests:
-                queue = self._queues.get(request.req_id)
-                if queue is not None:
-                    queue.put_nowait(exc)
+            failed = dict(self._send_now(AddRequests(requests, num_pending, counted_after_poll)))
+        except Exception as exc:
+            if not isinstance(exc, EngineDeadError):
+                logger.exception("requests could not be sent to the engine")
+            failed = {request.req_id: exc for request in requests}
+        for req_id, error in failed.items():
+            queue = self._queues.get(req_id)
+            if queue is not None:
+                queue.put_nowait(error)
 
     async def _send(self, message: AbortRequests | Shutdown) -> None:
         self._flush_adds()  # an abort of a request submitted in this turn comes after it
         self._send_now(message)
 
-    def _send_now(self, message: AddRequests | AbortRequests | Shutdown) -> None:
+    def _send_now(
+        self, message: AddRequests | AbortRequests | Shutdown
+    ) -> dict[str, InvalidRequestError]:
+        """Send now; returns the requests of an AddRequests that could not be encoded
+        (a value past what the wire holds, such as an integer over 64 bits), each with its
+        error: the message goes without them."""
         # Never wait: a PUSH socket with no engine connected (dead, or exiting) would block
         # the sender forever. The queue itself is unbounded (SNDHWM 0).
         assert self._input is not None, "send before start"
+        failed: dict[str, InvalidRequestError] = {}
         try:
-            self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
+            data = self._encoder.encode(message)
+        except (TypeError, ValueError, OverflowError):
+            if not isinstance(message, AddRequests):
+                raise
+            message, failed = self._without_unencodable(message)
+            data = self._encoder.encode(message)
+        try:
+            self._input.send(data, zmq.NOBLOCK)
         except zmq.Again as exc:
             raise EngineDeadError("the engine process is not connected") from exc
         if isinstance(message, AddRequests):
             self._told_num_pending = message.num_pending
+        return failed
+
+    def _without_unencodable(
+        self, message: AddRequests
+    ) -> tuple[AddRequests, dict[str, InvalidRequestError]]:
+        kept, failed = [], {}
+        for request in message.requests:
+            try:
+                self._encoder.encode(request)
+            except (TypeError, ValueError, OverflowError) as exc:
+                failed[request.req_id] = InvalidRequestError(
+                    f"the request cannot be sent to the engine: {exc}"
+                )
+            else:
+                kept.append(request)
+        return AddRequests(kept, message.num_pending, message.counted_after_poll), failed
 
 
 class RequestOutputs:
@@ -347,6 +433,8 @@ class RequestOutputs:
             raise item
         self.arrived, output = item
         self.finished = output.finished
+        if output.finish_reason == "error":
+            raise RequestFailedError(self.req_id, output.error or "the request failed")
         return output
 
     async def aclose(self) -> None:

@@ -162,9 +162,7 @@ class EngineCore:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use", param="req_id")
         fcfs = self.config.scheduling_policy == "fcfs"
         interactive = request.priority <= PRIORITY_INTERACTIVE
-        if fcfs and not interactive:
-            self._fcfs_batch.add(request.req_id)
-        self._taken.append((request.req_id, "interactive" if interactive else "batch"))
+        # Into the scheduler first: should that raise, nothing else holds the request.
         self.scheduler.add_request(
             Request(
                 request.req_id,
@@ -175,11 +173,30 @@ class EngineCore:
                 # FCFS: one class, so arrival order alone decides.
                 priority=0 if fcfs else request.priority,
                 deadline=request.deadline,
+                cache_salt=request.cache_salt,
             )
         )
+        if fcfs and not interactive:
+            self._fcfs_batch.add(request.req_id)
+        self._taken.append((request.req_id, "interactive" if interactive else "batch"))
 
     def abort(self, req_ids: list[str]) -> None:
         self._pending.extend(self.scheduler.abort_requests(req_ids))
+        self._forget(req_ids)
+
+    def fail_requests(self, errors: dict[str, str]) -> list[EngineCoreOutput]:
+        """End these requests with an error of their own (finish_reason "error", `error`
+        saying why), freeing what they hold; the others go on. A request that finished
+        already gets its error output all the same. Returns the outputs to send."""
+        ids = list(errors)
+        self.scheduler.abort_requests(ids)
+        self._forget(ids)
+        return [
+            EngineCoreOutput(req_id, [], finish_reason="error", error=message)
+            for req_id, message in errors.items()
+        ]
+
+    def _forget(self, req_ids: list[str]) -> None:
         self._fcfs_batch.difference_update(req_ids)
         for req_id in req_ids:
             self._awaiting_first.pop(req_id, None)
@@ -220,6 +237,9 @@ class EngineCore:
         if not scheduler_output.is_empty:
             self.step_model.observe(features, time.perf_counter() - began)
         outputs = self._pending + self.scheduler.update(scheduler_output, runner_output)
+        failed = self.runner.failed_requests
+        if failed:  # gained no token this step (update passed them over): ended here
+            outputs += self.fail_requests(failed)
         if self._fcfs_batch:
             self._fcfs_batch.difference_update(o.req_id for o in outputs if o.finished)
         self._pending = []

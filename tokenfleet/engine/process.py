@@ -17,17 +17,16 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
 
 from tokenfleet.config import EngineConfig
-from tokenfleet.core.engine_api import EngineCoreOutputs
+from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.wire import (
     AbortRequests,
-    AddRequests,
-    EngineInput,
     EngineReady,
     RequestRejected,
     Shutdown,
@@ -80,6 +79,76 @@ def arrival_gap_ms(
     return BURST_GAP_MS if arrivals > 1 else ARRIVAL_GAP_MS
 
 
+class _RawAddRequests(msgspec.Struct, tag="add"):
+    """wire.AddRequests with each request left undecoded: decoded one by one
+    (decode_requests), so that one the engine cannot read is refused alone instead of
+    failing the whole message (and the process with it)."""
+
+    requests: list[msgspec.Raw]
+    num_pending: int | None = None
+    counted_after_poll: bool = False
+
+
+_RawInput = _RawAddRequests | AbortRequests | Shutdown
+
+
+class _RequestId(msgspec.Struct):
+    req_id: str
+
+
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_request_id_decoder = msgspec.msgpack.Decoder(_RequestId)
+
+
+def decode_requests(
+    raws: list[msgspec.Raw],
+) -> tuple[list[EngineCoreRequest], list[RequestRejected]]:
+    """Each request of an AddRequests decoded on its own: those that decode, and a
+    rejection for each one that does not (a value out of its field's range, say)."""
+    requests, rejected = [], []
+    for raw in raws:
+        try:
+            requests.append(_request_decoder.decode(raw))
+        except (msgspec.DecodeError, ValueError, TypeError, OverflowError) as exc:
+            try:
+                req_id = _request_id_decoder.decode(raw).req_id
+            except msgspec.DecodeError:
+                # No id to answer to: the gateway's codec and ours disagree.
+                logger.error("a request without a readable id was dropped: %s", exc)
+                continue
+            message = f"the engine could not read the request: {exc}"
+            rejected.append(RequestRejected(req_id, message))
+    return requests, rejected
+
+
+def encode_step(
+    encoder: msgspec.msgpack.Encoder,
+    outputs: EngineCoreOutputs,
+    fail: Callable[[dict[str, str]], list[EngineCoreOutput]],
+) -> bytes:
+    """One step's message. Should it not encode, each output is tried alone and the
+    requests whose outputs do not encode are ended with an error (`fail`, which frees
+    them in the engine and gives their error outputs), sent in their place: a request's
+    output fails that request, never the step's others, nor silently."""
+    try:
+        return encoder.encode(StepOutputs(outputs))
+    except (TypeError, ValueError, OverflowError):
+        pass
+    kept: list[EngineCoreOutput] = []
+    errors: dict[str, str] = {}
+    for output in outputs.outputs:
+        try:
+            encoder.encode(output)
+        except (TypeError, ValueError, OverflowError) as exc:
+            errors[output.req_id] = f"its output could not be encoded: {type(exc).__name__}"
+            logger.error("request %s: its output could not be encoded: %s", output.req_id, exc)
+        else:
+            kept.append(output)
+    kept += fail(errors)
+    # Still failing: the message itself (its stats), not a request's: a fault of the process.
+    return encoder.encode(StepOutputs(EngineCoreOutputs(kept, outputs.timestamp, outputs.stats)))
+
+
 def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
     ctx = zmq.Context()
     ctx.setsockopt(zmq.LINGER, 0)  # exit at once, even with messages the gateway never read
@@ -88,7 +157,7 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
     outputs = ctx.socket(zmq.PUSH)
     outputs.connect(out_addr)
     encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(EngineInput)
+    decoder = msgspec.msgpack.Decoder(_RawInput)
 
     core = EngineCore(config)
     outputs.send(
@@ -137,7 +206,7 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                     return
                 if isinstance(message, AbortRequests):
                     core.abort(message.req_ids)
-                elif isinstance(message, AddRequests):
+                elif isinstance(message, _RawAddRequests):
                     arrivals += len(message.requests)
                     # Requests sent together came together: the sender saw a burst.
                     announced = announced or bool(num_pending) or len(message.requests) > 1
@@ -145,21 +214,34 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                         message.num_pending,
                         message.counted_after_poll,
                     )
-                    for request in message.requests:
+                    requests, refused = decode_requests(message.requests)
+                    for request in requests:
                         try:
                             core.add_request(request)
                         except InvalidRequestError as exc:
-                            rejected = RequestRejected(request.req_id, exc.message, exc.param)
-                            outputs.send(encoder.encode(rejected))
+                            refused.append(RequestRejected(request.req_id, exc.message, exc.param))
+                        except Exception as exc:  # this request's alone: the others go on
+                            logger.exception("request %s could not be added", request.req_id)
+                            message_text = f"the engine could not take the request: {exc!r}"
+                            refused.append(RequestRejected(request.req_id, message_text[:500]))
+                    for rejected in refused:
+                        outputs.send(_encode_rejection(encoder, rejected))
         if core.has_unfinished_requests() or core.has_pending_outputs():
             started = time.monotonic()
-            outputs.send(encoder.encode(StepOutputs(core.step())))
+            outputs.send(encode_step(encoder, core.step(), core.fail_requests))
             last_sent = time.monotonic()
             step_s = last_sent - started
         elif time.monotonic() - last_sent >= HEARTBEAT_INTERVAL_S:
             heartbeat = EngineCoreOutputs([], timestamp=time.time(), stats=core.stats())
             outputs.send(encoder.encode(StepOutputs(heartbeat)))
             last_sent = time.monotonic()
+
+
+def _encode_rejection(encoder: msgspec.msgpack.Encoder, rejected: RequestRejected) -> bytes:
+    try:
+        return encoder.encode(rejected)
+    except (TypeError, ValueError, OverflowError):  # its message, not its id: both are str
+        return encoder.encode(RequestRejected(rejected.req_id, "the request was refused"))
 
 
 def main(argv: list[str]) -> int:

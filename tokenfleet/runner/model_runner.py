@@ -15,13 +15,14 @@ import torch
 from tokenfleet.config import CacheConfig
 from tokenfleet.core.engine_api import TokenLogprobs
 from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenfleet.kernels import paged_attention_lib
 from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.loader import DTYPES, load_model
 from tokenfleet.models.rope import rope_cos_sin
-from tokenfleet.runner.sampler import compute_logprobs, sample
+from tokenfleet.runner.sampler import compute_logprobs, logprobs_rows, sample_rows
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,10 @@ class ModelRunner:
         self.cos, self.sin = rope_cos_sin(self.config, max_model_len, self.device, self.dtype)
         self._seed_rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
+        # The requests of the latest step that failed on their own (their sampling, their
+        # logprobs: never the forward pass, which is the whole step's), with what failed:
+        # they have no token in its output, and the engine ends them with an error.
+        self.failed_requests: dict[str, str] = {}
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
             self.num_blocks,
@@ -119,6 +124,7 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids:
             self._generators.pop(req_id, None)
+        self.failed_requests = {}
         if so.is_empty:
             return ModelRunnerOutput({})
         # Decodes first: attention then treats them as one slice of the batch.
@@ -154,36 +160,68 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
-        prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], scored)
+        failed = self.failed_requests
+        prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], scored, failed)
         logits = logits[:num_sampling]
         sampling = [s for s in batch if s.sample]
         params = [s.sampling_params for s in sampling]
-        generators = [
-            self._generator(s.req_id, s.sampling_params.seed) if not p.greedy else None
+        generators: list[torch.Generator | None] = []
+        for s, p in zip(sampling, params, strict=True):
+            try:
+                generators.append(None if p.greedy else self._generator(s.req_id, p.seed))
+            except Exception as exc:  # a seed torch cannot take, say: this request's alone
+                failed[s.req_id] = f"seeding its generator failed: {type(exc).__name__}: {exc}"
+                generators.append(None)
+        # Rows of requests that failed already are sampled greedily and dropped below.
+        params = [
+            SamplingParams(temperature=0) if s.req_id in failed else p
             for s, p in zip(sampling, params, strict=True)
         ]
         outputs = [s.output_token_ids for s in sampling]
-        token_ids = sample(logits, params, generators, outputs)
-        logprobs = compute_logprobs(logits, token_ids, [p.logprobs for p in params])
+        drawn, failed_rows = sample_rows(logits, params, generators, outputs)
+        token_ids = [0 if t is None else t for t in drawn]
+        num_top = [None if i in failed_rows else p.logprobs for i, p in enumerate(params)]
+        logprobs, failed_scoring = logprobs_rows(logits, token_ids, num_top)
+        for i, message in (failed_rows | failed_scoring).items():
+            failed.setdefault(sampling[i].req_id, message)
+        if failed:
+            logger.warning("requests failed on their own in this step: %s", failed)
         return ModelRunnerOutput(
-            sampled_token_ids={s.req_id: t for s, t in zip(sampling, token_ids, strict=True)},
-            logprobs={s.req_id: lp for s, lp in zip(sampling, logprobs, strict=True) if lp},
-            prompt_logprobs=prompt_logprobs,
+            sampled_token_ids={
+                s.req_id: t
+                for s, t in zip(sampling, token_ids, strict=True)
+                if s.req_id not in failed
+            },
+            logprobs={
+                s.req_id: lp
+                for s, lp in zip(sampling, logprobs, strict=True)
+                if lp and s.req_id not in failed
+            },
+            prompt_logprobs={k: v for k, v in prompt_logprobs.items() if k not in failed},
         )
 
     @staticmethod
     def _prompt_logprobs(
-        logits: torch.Tensor, scored: list[tuple[ScheduledRequest, int, list[int]]]
+        logits: torch.Tensor,
+        scored: list[tuple[ScheduledRequest, int, list[int]]],
+        failed: dict[str, str],
     ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
         """Each scored chunk's logprobs of the prompt tokens its rows predict, from its rows'
-        logits (in `scored` order), keyed by request: (first position scored, entries)."""
+        logits (in `scored` order), keyed by request: (first position scored, entries). A
+        request whose scoring raises goes to `failed` instead."""
         result = {}
         row = 0
         for s, _, targets in scored:
             k = s.sampling_params.prompt_logprobs
-            entries = compute_logprobs(
-                logits[row : row + len(targets)], targets, [k] * len(targets)
-            )
-            result[s.req_id] = (s.start_pos + 1, [e for e in entries if e is not None])
+            try:
+                entries = compute_logprobs(
+                    logits[row : row + len(targets)], targets, [k] * len(targets)
+                )
+            except Exception as exc:
+                failed[s.req_id] = (
+                    f"computing its prompt logprobs failed: {type(exc).__name__}: {exc}"
+                )
+            else:
+                result[s.req_id] = (s.start_pos + 1, [e for e in entries if e is not None])
             row += len(targets)
         return result

@@ -45,6 +45,17 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     zero probability adds nothing to a sum, so it is never the first to exceed one; where
     rounding puts a draw at or past a sum's end, the last token with mass is taken.
     """
+    return _inverse_cdf_checked(probs, draws)[0]
+
+
+def _inverse_cdf_checked(
+    probs: torch.Tensor, draws: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """_inverse_cdf, and whether each row's probabilities could be drawn from (a finite,
+    positive total). A row that could not (NaN or infinite probabilities: a temperature
+    that underflows, say) gets an arbitrary token and False: its indices are clamped, so
+    that it never indexes out of bounds (on CUDA a device-side assert, fatal to the whole
+    process, not only to that row)."""
     rows, vocab = probs.shape
     pad = -vocab % CDF_BLOCK
     if pad:
@@ -55,14 +66,17 @@ def _inverse_cdf(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     # within the drawn block in float64.
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
     total = block_cdf[:, -1]
+    ok = torch.isfinite(total) & (total > 0)
     points = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
     block = torch.searchsorted(block_cdf, points[:, None], right=True)[:, 0]
+    block = block.clamp(max=blocks.shape[1] - 1)
     previous = block_cdf.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0]
     before = torch.where(block > 0, previous, torch.zeros_like(previous))
     inner = blocks[torch.arange(rows, device=probs.device), block].cumsum(-1, dtype=torch.float64)
     inner_total = inner[:, -1]
     rest = torch.minimum(points - before, torch.nextafter(inner_total, torch.zeros_like(total)))
-    return block * CDF_BLOCK + torch.searchsorted(inner, rest[:, None], right=True)[:, 0]
+    within = torch.searchsorted(inner, rest[:, None], right=True)[:, 0].clamp(max=CDF_BLOCK - 1)
+    return block * CDF_BLOCK + within, ok
 
 
 def adjust_logits(
@@ -91,6 +105,10 @@ def adjust_logits(
     return logits
 
 
+class RowFailure(Exception):
+    """Sampling or scoring failed for one row, for a reason of that row alone."""
+
+
 def sample(
     logits: torch.Tensor,  # [B, V] float32
     params: list[SamplingParams],
@@ -98,35 +116,108 @@ def sample(
     outputs: Sequence[Sequence[int]] = (),
 ) -> list[int]:
     """The next token of each row. `outputs`: each row's generated tokens so far (needed
-    only for rows with penalties)."""
+    only for rows with penalties). Raises RowFailure if a row cannot be sampled."""
+    tokens, failed = sample_rows(logits, params, generators, outputs)
+    if failed:
+        i, message = next(iter(failed.items()))
+        raise RowFailure(f"row {i}: {message}")
+    return [t for t in tokens if t is not None]
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [B, V] float32
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    outputs: Sequence[Sequence[int]] = (),
+) -> tuple[list[int | None], dict[int, str]]:
+    """The next token of each row, with a row's failure kept to that row: (tokens, None
+    where the row failed; {row: what failed}). The rows are sampled together; should
+    that raise, each row is sampled again alone, with the random number it drew already
+    (a seeded row's tokens stay what they would have been), and only the rows that raise
+    alone fail. A row whose probabilities cannot be drawn from (not finite) fails too."""
+    failed: dict[int, str] = {}
+    draws: list[torch.Tensor | None] = [None] * len(params)
+    for i, p in enumerate(params):
+        if not p.greedy:
+            try:
+                draws[i] = torch.rand(1, generator=generators[i], dtype=torch.float64)
+            except Exception as exc:
+                failed[i] = f"drawing its random number failed: {_describe(exc)}"
+    rows = [i for i in range(len(params)) if i not in failed]
+    tokens: list[int | None] = [None] * len(params)
+    if not outputs:
+        outputs = [()] * len(params)
+    try:
+        part = logits if len(rows) == len(params) else logits[rows]
+        drawn, ok = _sample_batch(
+            part, [params[i] for i in rows], [draws[i] for i in rows], [outputs[i] for i in rows]
+        )
+        results = list(zip(rows, drawn, ok, strict=True))
+    except Exception:
+        results = []
+        for i in rows:
+            try:
+                (token,), (good,) = _sample_batch(
+                    logits[i : i + 1], [params[i]], [draws[i]], [outputs[i]]
+                )
+            except Exception as exc:
+                failed[i] = f"sampling failed: {_describe(exc)}"
+                continue
+            results.append((i, token, good))
+    for i, token, good in results:
+        if good:
+            tokens[i] = token
+        else:
+            failed[i] = (
+                "sampling failed: its probabilities are not finite (temperature "
+                f"{params[i].temperature!r})"
+            )
+    return tokens, failed
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+def _sample_batch(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    draws: list[torch.Tensor | None],
+    outputs: Sequence[Sequence[int]],
+) -> tuple[list[int], list[bool]]:
+    """Each row's token, and whether its probabilities could be drawn from (greedy rows
+    always can). `draws`: each random row's uniform draw (None for greedy rows)."""
     logits = adjust_logits(logits, params, outputs)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1).tolist(), [True] * len(params)
     # Each part only over the rows that need it: a row of the vocabulary costs ~50 us per
     # operation here, and a copy of the rows as much.
     everyone = len(random_rows) == len(params)
     sub = logits if everyone else logits[random_rows]
+    vocab = sub.shape[-1]
     temperatures = [params[i].temperature for i in random_rows]
     if any(t != 1.0 for t in temperatures):
         sub = sub / torch.tensor(temperatures, device=sub.device)[:, None]
-    top_k = torch.tensor([params[i].top_k for i in random_rows], device=sub.device)
+    # A top_k past the vocabulary keeps all of it (and may be past what a tensor holds).
+    top_k = torch.tensor([min(params[i].top_k, vocab) for i in random_rows], device=sub.device)
     top_p = torch.tensor([params[i].top_p for i in random_rows], device=sub.device)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sub = _truncate(sub, top_k, top_p)
-    draws = torch.cat(
-        [torch.rand(1, generator=generators[i], dtype=torch.float64) for i in random_rows]
-    )
-    drawn = _inverse_cdf(sub.softmax(dim=-1), draws.to(sub.device)).tolist()
+    row_draws = torch.cat([draws[i] for i in random_rows])  # type: ignore[misc]
+    drawn_t, ok_t = _inverse_cdf_checked(sub.softmax(dim=-1), row_draws.to(sub.device))
+    drawn, ok = drawn_t.tolist(), ok_t.tolist()
     if everyone:
-        return drawn
+        return drawn, ok
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     tokens = [0] * len(params)
+    good = [True] * len(params)
     for i, token in zip(greedy_rows, logits[greedy_rows].argmax(dim=-1).tolist(), strict=True):
         tokens[i] = token
-    for i, token in zip(random_rows, drawn, strict=True):
+    for i, token, row_ok in zip(random_rows, drawn, ok, strict=True):
         tokens[i] = token
-    return tokens
+        good[i] = row_ok
+    return tokens, good
 
 
 def compute_logprobs(
@@ -146,3 +237,24 @@ def compute_logprobs(
             top = list(zip(top_ids[j, :n].tolist(), top_values[j, :n].tolist(), strict=True))
         result[i] = TokenLogprobs(token_ids[i], float(logprobs[j, token_ids[i]]), top)
     return result
+
+
+def logprobs_rows(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int | None]
+) -> tuple[list[TokenLogprobs | None], dict[int, str]]:
+    """compute_logprobs with a row's failure kept to that row: should the rows together
+    raise, each is scored again alone, and only the rows that raise alone fail."""
+    try:
+        return compute_logprobs(logits, token_ids, num_top), {}
+    except Exception:
+        pass
+    result: list[TokenLogprobs | None] = [None] * len(num_top)
+    failed: dict[int, str] = {}
+    for i, n in enumerate(num_top):
+        if n is None:
+            continue
+        try:
+            (result[i],) = compute_logprobs(logits[i : i + 1], [token_ids[i]], [n])
+        except Exception as exc:
+            failed[i] = f"computing its logprobs failed: {_describe(exc)}"
+    return result, failed

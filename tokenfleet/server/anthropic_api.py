@@ -6,17 +6,28 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.server.body import read_body
+from tokenfleet.server.bounds import (
+    MAX_CONTENT_BLOCKS,
+    MAX_MESSAGES,
+    MAX_METADATA_USER_ID,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES_ANTHROPIC,
+    MAX_TOKENS_MAX,
+    TOP_K_MAX,
+    clamp_top_k,
+)
 from tokenfleet.server.errors import APIError, anthropic_error_body
 from tokenfleet.server.ids import random_hex
+from tokenfleet.server.schemas import drop_nulls, nullable_fields, request_body
 from tokenfleet.server.service import (
     ClientDisconnected,
     GenerationService,
@@ -33,7 +44,8 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "st
 
 
 # Strict: JSON types as they are, no coercion (max_tokens true or "10", stream "yes" are
-# 400s, as on Anthropic's API, rather than 1, 10 and True).
+# 400s, as on Anthropic's API, rather than 1, 10 and True). Optional fields sent as null
+# read as absent (NULL_IS_DEFAULT); every number, count and length is bounded (bounds.py).
 class TextBlock(BaseModel):
     model_config = ConfigDict(strict=True)
 
@@ -41,33 +53,59 @@ class TextBlock(BaseModel):
     text: str
 
 
+Blocks = Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_BLOCKS)]
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
 class MessageParam(BaseModel):
     model_config = ConfigDict(strict=True)
 
     role: Literal["user", "assistant"]
-    content: str | list[TextBlock]
+    content: str | Blocks
 
     _text_only = field_validator("content", mode="before")(text_blocks)
 
 
+class Metadata(BaseModel):
+    """Anthropic's request metadata: a user id and nothing else."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra=nullable_fields)
+
+    user_id: str | None = Field(None, max_length=MAX_METADATA_USER_ID)
+
+
 class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, json_schema_extra=nullable_fields)
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("system",)
 
     model: str
-    messages: list[MessageParam] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
+    messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
+    system: str | Blocks | None = None
 
     _text_only = field_validator("system", mode="before")(text_blocks)
+    _nulls = model_validator(mode="before")(drop_nulls)
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = (
+        "system",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "stream",
+        "metadata",
+    )
+
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_MAX)
     temperature: float = Field(1.0, ge=0, le=1)  # Anthropic's range
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    stop_sequences: list[str] = Field(default_factory=list, max_length=16)
+    top_k: int = Field(0, ge=0, le=TOP_K_MAX)
+    stop_sequences: list[StopString] = Field(
+        default_factory=list, max_length=MAX_STOP_SEQUENCES_ANTHROPIC
+    )
     stream: bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -110,18 +148,30 @@ def _check_prefill(body: MessagesRequest) -> None:
             )
 
 
+def _merged_turns(messages: list[MessageParam]) -> list[dict[str, str]]:
+    """The conversation's turns: consecutive messages of the same role are one turn, as
+    the Anthropic API combines them (their text joined as one message's text blocks are)."""
+    turns: list[dict[str, str]] = []
+    for m in messages:
+        if turns and turns[-1]["role"] == m.role:
+            turns[-1]["content"] += _text(m.content)
+        else:
+            turns.append({"role": m.role, "content": _text(m.content)})
+    return turns
+
+
 def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
     """The checked conversation's token ids (count_tokens and Messages alike)."""
     refuse_unsupported(body, ANTHROPIC_MESSAGES)
     service.check_model(body.model)
     _check_contents(body)
-    messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+    messages = _merged_turns(body.messages)
     if body.system:
         messages.insert(0, {"role": "system", "content": _text(body.system)})
     return service.render_chat(messages, continue_final=True)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body(CountTokensRequest))
 async def count_tokens(request: Request) -> JSONResponse:
     body = await read_body(request, CountTokensRequest)
     return JSONResponse({"input_tokens": len(_prompt(request.app.state.service, body))})
@@ -146,7 +196,7 @@ def prepare_message(service: GenerationService, body: MessagesRequest) -> Messag
             max_tokens=body.max_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
-            top_k=body.top_k,
+            top_k=clamp_top_k(body.top_k, service.vocab_size),
         )
     except InvalidRequestError as exc:
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
@@ -188,7 +238,7 @@ async def run_message(
     return _finish(_message(call), text, last)
 
 
-@router.post("/v1/messages", response_model=None)
+@router.post("/v1/messages", response_model=None, openapi_extra=request_body(MessagesRequest))
 async def create_message(request: Request) -> Response:
     service: GenerationService = request.app.state.service
     body = await read_body(request, MessagesRequest)

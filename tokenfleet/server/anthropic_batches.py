@@ -5,22 +5,70 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
 
 from tokenfleet.batch.schema import BatchRow, NewBatch
 from tokenfleet.batch.store import BatchNotEnded
-from tokenfleet.server.batch_input import BatchChecker, anthropic_requests, new_requests
+from tokenfleet.errors import InvalidRequestError
+from tokenfleet.server.anthropic_api import MessagesRequest
+from tokenfleet.server.batch_input import (
+    CUSTOM_ID,
+    BatchChecker,
+    anthropic_requests,
+    new_requests,
+)
 from tokenfleet.server.batch_state import BatchState, owner_of, spool_body
+from tokenfleet.server.bounds import CURSOR_PATTERN, MAX_CURSOR_CHARS
 from tokenfleet.server.errors import APIError
+from tokenfleet.server.schemas import request_body
 
 router = APIRouter()
 PATH = "/v1/messages/batches"
+
+
+class BatchItem(BaseModel):
+    """One request of a Message Batch (the body is read by batch_input; this describes it)."""
+
+    custom_id: str = Field(min_length=1, max_length=64, pattern=CUSTOM_ID.pattern)
+    params: MessagesRequest
+
+
+class CreateMessageBatch(BaseModel):
+    requests: list[BatchItem] = Field(min_length=1, max_length=100_000)
+
+
+def public_base_url(request: Request) -> str:
+    """The URL this server is reached at, for the URLs it hands out: the configured public
+    base URL (ServeConfig.public_base_url, where the config has it), else what a reverse
+    proxy says (X-Forwarded-Proto, -Host, -Prefix), else the request's own."""
+    configured = getattr(request.app.state.config, "public_base_url", None)
+    if configured:
+        return str(configured).rstrip("/")
+    headers = request.headers
+    proto = _first(headers.get("x-forwarded-proto")) or request.url.scheme
+    host = _first(headers.get("x-forwarded-host")) or headers.get("host") or request.url.netloc
+    prefix = _first(headers.get("x-forwarded-prefix")) or ""
+    prefix = "/" + prefix.strip("/") if prefix.strip("/") else ""
+    if proto not in ("http", "https") or not _HOST.fullmatch(host) or not _PREFIX.fullmatch(prefix):
+        return str(request.base_url).rstrip("/")  # a header that is no URL part: ignored
+    return f"{proto}://{host}{prefix}"
+
+
+_HOST = re.compile(r"[A-Za-z0-9.\-]+(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]+\](:[0-9]{1,5})?")
+_PREFIX = re.compile(r"(/[A-Za-z0-9._~!$&'()*+,;=:@%-]+)*")
+
+
+def _first(value: str | None) -> str | None:
+    """A forwarded header's first (the client-side proxy's) value."""
+    return value.split(",")[0].strip() if value else None
 
 
 def iso(t: float | None) -> str | None:
@@ -33,7 +81,7 @@ def batch_object(request: Request, row: BatchRow, counts: dict[str, int]) -> dic
     ended = row.state == "ended"
     results_url = None
     if ended and row.archived_at is None:
-        results_url = str(request.base_url).rstrip("/") + f"{PATH}/{row.id}/results"
+        results_url = public_base_url(request) + f"{PATH}/{row.id}/results"
     return {
         "id": row.id,
         "type": "message_batch",
@@ -65,7 +113,7 @@ async def _get(request: Request, state: BatchState, batch_id: str) -> BatchRow:
     return row
 
 
-@router.post(PATH)
+@router.post(PATH, openapi_extra=request_body(CreateMessageBatch))
 async def create_batch(request: Request) -> JSONResponse:
     state: BatchState = request.app.state.batches
     owner = owner_of(request)
@@ -102,16 +150,18 @@ async def create_batch(request: Request) -> JSONResponse:
 @router.get(PATH)
 async def list_batches(
     request: Request,
-    limit: int = 20,
-    before_id: str | None = None,
-    after_id: str | None = None,
+    limit: int = Query(20, ge=1, le=1000),
+    before_id: str | None = Query(None, max_length=MAX_CURSOR_CHARS, pattern=CURSOR_PATTERN),
+    after_id: str | None = Query(None, max_length=MAX_CURSOR_CHARS, pattern=CURSOR_PATTERN),
 ) -> JSONResponse:
     state: BatchState = request.app.state.batches
-    if not 1 <= limit <= 1000:
-        raise APIError(400, "invalid_request", "limit: must be 1 to 1000", param="limit")
-    rows, has_more = await state.db(
-        state.store.list_batches, "anthropic", owner_of(request), limit, after_id, before_id
-    )
+    try:
+        rows, has_more = await state.db(
+            state.store.list_batches, "anthropic", owner_of(request), limit, after_id, before_id
+        )
+    except InvalidRequestError as exc:  # a cursor that names no batch of the caller's
+        message = f"{exc.param}: {exc.message}" if exc.param else exc.message
+        raise APIError(400, "invalid_request", message, param=exc.param) from exc
     data = [await _object(request, state, row) for row in rows]
     return JSONResponse(
         {

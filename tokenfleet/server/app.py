@@ -3,8 +3,8 @@ health, models and metrics; the two API routers do the rest."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import MutableHeaders
@@ -21,7 +22,6 @@ from starlette.types import Message, Receive, Scope, Send
 
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.checkpoint.folder import resolve_model_folder
-from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.engine.client import AsyncEngineClient
 from tokenfleet.server import (
     anthropic_api,
@@ -34,27 +34,23 @@ from tokenfleet.server.anthropic_batches import iso
 from tokenfleet.server.batch_input import ENDPOINTS
 from tokenfleet.server.batch_state import BatchState
 from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
-from tokenfleet.server.errors import APIError, error_response, is_anthropic_request, request_id
+from tokenfleet.server.errors import (
+    APIError,
+    error_response,
+    is_anthropic_request,
+    request_id,
+    validation_error,
+)
+from tokenfleet.server.gate import Gate
+from tokenfleet.server.keys import CALLER_GROUP
+from tokenfleet.server.limits import RateLimited
 from tokenfleet.server.metrics import Metrics
+from tokenfleet.server.offload import GatewayTokenizer
 from tokenfleet.server.openai_result_files import ResultFiles
 from tokenfleet.server.service import GenerationService
 from tokenfleet.server.settings import BatchConfig, ServeConfig
 
 logger = logging.getLogger(__name__)
-
-_OPEN_PATHS = ("/health", "/metrics")
-
-
-def _api_key(request: Request, keys: frozenset[str]) -> str | None:
-    """The caller's key when it is one of `keys`, else None."""
-    given = request.headers.get("x-api-key")
-    auth = request.headers.get("authorization", "")
-    if given is None and auth.lower().startswith("bearer "):
-        given = auth[7:].strip()
-    if given is not None and any(hmac.compare_digest(given, k) for k in keys):
-        return given
-    return None
-
 
 Endpoint = Callable[[Request], Awaitable[Response]]
 
@@ -90,19 +86,27 @@ class Gateway(FastAPI):
         pending.entered()
         request = Request(scope, receive)
         rid = request_id(request)
-        api_keys: frozenset[str] = self.state.config.api_keys
-        if api_keys and scope["path"] not in _OPEN_PATHS:
-            key = _api_key(request, api_keys)
-            if key is None:
-                error = APIError(401, "authentication", "missing or invalid API key")
-                await error_response(request, error)(scope, receive, send)
-                return
-            scope["tokenfleet.api_key"] = key  # batches and files belong to their key
+        gate: Gate = self.state.gate
+        # Keys (any header bytes: a 401, never a 500), the operator key for /metrics.
+        refused, group = gate.authorize(request)
+        if refused is not None:
+            pending.passed()
+            await error_response(request, refused)(scope, receive, send)
+            return
+        CALLER_GROUP.set(group)  # the service's limits and prefix-cache salt read it
+        # A large body of a route that tokenizes is read and checked off the event loop.
+        receive, reply = await gate.precheck(request)
+        if reply is not None:
+            pending.passed()
+            await reply(scope, receive, send)
+            return
+        request = Request(scope, receive)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = MutableHeaders(scope=message)
-                headers["request-id"] = rid
+                headers["request-id"] = rid  # Anthropic's clients read this one,
+                headers["x-request-id"] = rid  # OpenAI's this one
             await send(message)
 
         endpoint = DIRECT_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
@@ -111,15 +115,30 @@ class Gateway(FastAPI):
             await super().__call__(scope, receive, send_with_id)
             return
         scope["app"] = self  # as Starlette sets it: the endpoints find their state there
+        # The key group's concurrency and requests per minute (its tokens per minute are
+        # charged as the service submits each engine request).
+        anthropic = is_anthropic_request(request)
+        limited_send = gate.wrap_send(send_with_id, group, anthropic)
+        limited = gate.enter(request, group)
+        if limited is not None:
+            pending.passed()
+            await limited(scope, receive, limited_send)
+            return
         try:
-            response = await endpoint(request)
-        except APIError as exc:
-            pending.passed()
-            response = error_response(request, exc)
-        except Exception:
-            pending.passed()
-            response = _internal_error(request)
-        await response(scope, receive, send_with_id)
+            try:
+                response = await endpoint(request)
+            except RateLimited as exc:
+                pending.passed()
+                response = gate.refused(request, exc, group)
+            except APIError as exc:
+                pending.passed()
+                response = error_response(request, exc)
+            except Exception:
+                pending.passed()
+                response = _internal_error(request)
+            await response(scope, receive, limited_send)
+        finally:
+            gate.leave(group)
 
 
 def create_app(config: ServeConfig) -> FastAPI:
@@ -136,8 +155,9 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.state.client = client
         app.state.metrics = metrics
         app.state.service = GenerationService(
-            client, Tokenizer(folder), config, metrics, app.state.server_tasks
+            client, GatewayTokenizer(folder), config, metrics, app.state.server_tasks
         )
+        app.state.gate = Gate(config, app.state.service, metrics)
         app.state.started = int(time.time())
         await client.start()
         batches = await _start_batches(config.batch, app.state.service, client, metrics)
@@ -154,6 +174,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         try:
             yield
         finally:
+            app.state.gate.offloader.shutdown()
             await batches.dispatcher.stop()
             batches.store.close()
             await client.shutdown()
@@ -167,6 +188,11 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_params(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # A bad query or path parameter (limit=abc): a 400 naming it, in the API's format.
+        return error_response(request, validation_error(list(exc.errors()), skip=1))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -189,10 +215,31 @@ def create_app(config: ServeConfig) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
+        # As before: 200 while the engine runs, 503 while it is down (being restarted).
         client: AsyncEngineClient = request.app.state.client
         if client.is_healthy():
             return JSONResponse({"status": "ok", "engine_pid": client.pid})
-        return JSONResponse({"status": "engine unavailable"}, status_code=503)
+        return JSONResponse({"status": "engine unavailable", "down": ["engine"]}, status_code=503)
+
+    @app.get("/health/live")
+    async def live(request: Request) -> JSONResponse:
+        # Liveness: the gateway answers (a restart of the engine is not a reason to kill it).
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health/ready")
+    async def ready(request: Request) -> JSONResponse:
+        # Readiness: 200 only when the engine and the batch store are up; else 503 naming
+        # each part down.
+        client: AsyncEngineClient = request.app.state.client
+        store_up = await asyncio.to_thread(_store_is_up, request.app.state.batches.store)
+        parts = {"engine": "up" if client.is_healthy() else "down"}
+        parts["store"] = "up" if store_up else "down"
+        down = [name for name, state in parts.items() if state == "down"]
+        body: dict[str, Any] = {"status": "unavailable" if down else "ok"}
+        body.update(parts=parts, down=down)
+        if client.is_healthy():
+            body["engine_pid"] = client.pid
+        return JSONResponse(body, status_code=503 if down else 200)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -263,6 +310,17 @@ async def _start_batches(
     )
     await dispatcher.start()
     return BatchState(config, store, dispatcher)
+
+
+def _store_is_up(store: BatchStore) -> bool:
+    """Whether the batch store answers a trivial query (readiness)."""
+    try:
+        with store.engine.connect() as conn:
+            conn.exec_driver_sql("SELECT 1")
+    except Exception:
+        logger.warning("batch store check failed", exc_info=True)
+        return False
+    return True
 
 
 def _batch_load(client: AsyncEngineClient) -> tuple[int, int] | None:

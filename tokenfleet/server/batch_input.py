@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from tokenfleet.batch.schema import NewRequest
 from tokenfleet.server import anthropic_api, openai_api, openai_chat, openai_completions
 from tokenfleet.server.body import parse_body
+from tokenfleet.server.bounds import MAX_CUSTOM_ID_CHARS
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.service import GenerationService
 
@@ -96,13 +97,7 @@ class BatchChecker:
     def check(self, where: str, custom_id: object, endpoint: str, params: object) -> None:
         if len(self.seen) >= self.max_requests:
             raise _bad(f"a batch holds at most {self.max_requests} requests", where)
-        if not isinstance(custom_id, str) or not CUSTOM_ID.fullmatch(custom_id):
-            raise _bad(
-                "custom_id must be 1 to 64 characters from [a-zA-Z0-9_-], got "
-                f"{json.dumps(custom_id)[:80]}",
-                where,
-                "custom_id",
-            )
+        _check_custom_id(custom_id, endpoint, where)
         if custom_id in self.seen:
             raise _bad(f"custom_id {custom_id!r} appears twice in the batch", where, "custom_id")
         self.seen.add(custom_id)
@@ -118,6 +113,30 @@ class BatchChecker:
             field = f"params.{exc.param}" if exc.param else "params"
             message = exc.message
             raise _bad(message, where, field) from exc
+
+
+def _check_custom_id(custom_id: object, endpoint: str, where: str) -> None:
+    """Each API's own rule: Anthropic's 1 to 64 characters of [a-zA-Z0-9_-]; OpenAI's any
+    string (here within MAX_CUSTOM_ID_CHARS, and without NUL, which no store's text holds)."""
+    if endpoint == "/v1/messages":
+        if not isinstance(custom_id, str) or not CUSTOM_ID.fullmatch(custom_id):
+            raise _bad(
+                "custom_id must be 1 to 64 characters from [a-zA-Z0-9_-], got "
+                f"{json.dumps(custom_id)[:80]}",
+                where,
+                "custom_id",
+            )
+        return
+    if not isinstance(custom_id, str):
+        raise _bad(
+            f"custom_id must be a string, got {json.dumps(custom_id)[:80]}", where, "custom_id"
+        )
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS or "\x00" in custom_id:
+        raise _bad(
+            f"custom_id must be a string of at most {MAX_CUSTOM_ID_CHARS} characters, without NUL",
+            where,
+            "custom_id",
+        )
 
 
 def _bad(message: str, where: str, field: str | None = None) -> APIError:
@@ -138,6 +157,8 @@ def anthropic_requests(source: IO[bytes]) -> Iterator[tuple[str, object, object]
             yield where, item.get("custom_id"), item.get("params")
     except ijson.JSONError as exc:
         raise APIError(400, "invalid_request", f"malformed JSON body: {exc}") from exc
+    except RecursionError as exc:
+        raise APIError(400, "invalid_request", "JSON nested too deeply") from exc
 
 
 def openai_requests(source: IO[bytes], endpoint: str) -> Iterator[tuple[str, object, str, object]]:
@@ -150,6 +171,8 @@ def openai_requests(source: IO[bytes], endpoint: str) -> Iterator[tuple[str, obj
             item = json.loads(line)
         except ValueError as exc:
             raise _bad(f"malformed JSON: {exc}", where) from exc
+        except RecursionError as exc:
+            raise _bad("JSON nested too deeply", where) from exc
         if not isinstance(item, dict):
             raise _bad("each line must be a JSON object", where)
         if item.get("method", "POST") != "POST":

@@ -3,24 +3,28 @@ caller's identity, and bounded-memory reading of large bodies."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import IO, Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, TypeVar, cast
 
 from fastapi import Request
 
-from tokenfleet.batch.schema import ResultRow
-from tokenfleet.batch.store import BatchStore
+from tokenfleet.batch.schema import BatchRow, NewBatch, NewRequest, ResultRow
+from tokenfleet.batch.store import BatchStore, QuotaExceeded
 from tokenfleet.server.body import limited_chunks
 from tokenfleet.server.dispatcher import BatchDispatcher
+from tokenfleet.server.errors import APIError
 from tokenfleet.server.settings import BatchConfig
 
 T = TypeVar("T")
 
 SPOOL_IN_MEMORY = 1 << 20  # bodies larger than this go to a temporary file
 RESULTS_CHUNK = 1000
+QUOTA_RETRY_AFTER_S = 60  # a caller over its queued-requests quota: try again after this
 
 
 class BatchState:
@@ -34,13 +38,19 @@ class BatchState:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
-        self.store = store
+        # The routes' view of the store: creates count against the caller's quota of
+        # queued requests (a 429 over it).
+        self.store: BatchStore = cast(BatchStore, QuotaStore(store, config.max_queued_per_key))
         self.dispatcher = dispatcher
         self.clock = clock
+        self._routes_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-routes")
         config.files_dir.mkdir(parents=True, exist_ok=True)
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self.dispatcher.db(fn, *args)
+        """A store call for a route, on the routes' own store thread: a caller's create or
+        look-up does not queue behind the dispatcher's leases and commits (another key's
+        large job keeps those busy)."""
+        return await asyncio.get_running_loop().run_in_executor(self._routes_db, fn, *args)
 
     async def iter_results(self, batch_id: str) -> AsyncIterator[list[ResultRow]]:
         """A batch's results in order, a chunk at a time, never all in memory."""
@@ -51,6 +61,27 @@ class BatchState:
 
         while chunk := await self.db(take):
             yield chunk
+
+
+class QuotaStore:
+    """A BatchStore whose create_batch() holds each owner (API key) to `max_queued`
+    requests waiting to run, refusing a create over it with a 429 in the API's format."""
+
+    def __init__(self, store: BatchStore, max_queued: int) -> None:
+        self._store = store
+        self._max_queued = max_queued
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def create_batch(
+        self, batch: NewBatch, requests: Iterable[NewRequest], max_queued: int | None = None
+    ) -> BatchRow:
+        quota = self._max_queued if max_queued is None else max_queued
+        try:
+            return self._store.create_batch(batch, requests, quota)
+        except QuotaExceeded as exc:
+            raise APIError(429, "overloaded", str(exc), retry_after_s=QUOTA_RETRY_AFTER_S) from exc
 
 
 def owner_of(request: Request) -> str:

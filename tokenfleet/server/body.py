@@ -11,7 +11,8 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from tokenfleet.server.errors import APIError
+from tokenfleet.server.bounds import MAX_JSON_DEPTH, check_json_depth
+from tokenfleet.server.errors import APIError, validation_error
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -69,6 +70,9 @@ async def read_body(request: Request, model: type[M]) -> M:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise APIError(400, "invalid_request", f"malformed JSON body: {exc}") from exc
+    except RecursionError as exc:
+        message = f"JSON nested deeper than {MAX_JSON_DEPTH} levels"
+        raise APIError(400, "invalid_request", message) from exc
     return parse_body(data, model)
 
 
@@ -77,9 +81,10 @@ def parse_body(data: object, model: type[M]) -> M:
     (The Batch API checks each of its requests' params with this too.)"""
     if not isinstance(data, dict):
         raise APIError(400, "invalid_request", "the request body must be a JSON object")
+    check_json_depth(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or "body"
-        raise APIError(400, "invalid_request", f"{field}: {first['msg']}", param=field) from exc
+        raise validation_error(exc.errors()) from exc
+    except RecursionError as exc:  # (check_json_depth bounds it; this never should)
+        raise APIError(400, "invalid_request", "JSON nested too deeply") from exc

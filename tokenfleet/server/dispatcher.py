@@ -6,6 +6,12 @@ batch priority, and commits each result before it counts.
       └── complete(epoch) ◄─────┘  result committed, or release() on an engine failure
                                    (queued again; errored after max attempts)
 
+Attempts count only failures of the request itself: an engine that died while the request
+ran counts one (so a request that kills its engine every time ends errored, with an error
+that says so); a gateway that stops, an engine that was down before the request reached
+it, or a lease that expired gives the request back without counting. A store error never
+ends the loops here: results wait and their commit is retried with backoff.
+
 It keeps just enough requests in flight to keep the engine's batch queue full (the engine's
 sequence slots), so that a cancel or an interactive burst finds little to undo. Leases are
 renewed while their requests run; a gateway that dies stops renewing, and its leases come
@@ -26,6 +32,7 @@ from typing import Any, TypeVar
 
 from tokenfleet.batch.schema import LeasedRequest, Outcome
 from tokenfleet.batch.store import BatchStore
+from tokenfleet.engine.client import EngineDeadError
 from tokenfleet.fleet.leasing import lease_room
 from tokenfleet.server.errors import APIError
 
@@ -45,12 +52,15 @@ class DispatcherConfig:
     depth: int = 64  # at most this many batch requests in flight (the engine's sequence slots)
     queue_target: int = 8  # batch requests kept waiting in the engine beyond those it runs
     lease_s: float = 120.0  # renewed every lease_s / 3 while a request runs
-    max_attempts: int = 3  # engine failures before a request is recorded as errored
+    max_attempts: int = 3  # failures of a request (its engine died running it) before errored
     poll_s: float = 0.05  # how often to look for work when there was none
     maintenance_s: float = 1.0  # expiry, ending batches, dead leases
     archive_s: float = 3600.0  # how often to archive old batches
     retention_s: float = 29 * 24 * 3600.0  # results kept this long after a batch is created
     commit_s: float = 0.02  # results wait at most this long to be committed together
+    retry_s: float = 0.05  # first wait after a store error; doubles up to retry_max_s
+    retry_max_s: float = 5.0
+    stop_commit_s: float = 5.0  # on stop, how long to keep retrying the last results' commit
 
 
 class BatchDispatcher:
@@ -90,6 +100,9 @@ class BatchDispatcher:
         self._loop_task: asyncio.Task[None] | None = None
         self._last_archive = 0.0
         self._last_renew = 0.0
+        # A commit took the last results running here of some batch: see at the next tick,
+        # not the next maintenance, whether it ended (its caller is waiting for that).
+        self._finish_soon = False
 
     async def db(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a store call on the store's thread."""
@@ -108,9 +121,19 @@ class BatchDispatcher:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await self._commit()  # results already in hand are kept
-        # What was running goes back to the queue for the next gateway (or this one again).
+        if self._commit_task is not None:
+            self._commit_task.cancel()
+            await asyncio.gather(self._commit_task, return_exceptions=True)
+        # Results already in hand are kept, the store willing, within stop_commit_s.
+        deadline = time.monotonic() + self.config.stop_commit_s
+        wait_s = self.config.retry_s
+        while self._outcomes and not await self._commit():
+            if time.monotonic() + wait_s > deadline:
+                break
+            await asyncio.sleep(wait_s)
+            wait_s = min(2 * wait_s, self.config.retry_max_s)
+        # What was running goes back to the queue for the next gateway (or this one again),
+        # without using up an attempt: the request did nothing wrong.
         with contextlib.suppress(Exception):
             await self.db(self.store.requeue_owner, self.config.owner, self.clock())
         self._db.shutdown(wait=True)
@@ -136,6 +159,7 @@ class BatchDispatcher:
 
     async def _run(self) -> None:
         next_maintenance = 0.0
+        failures = 0  # store errors in a row: each doubles the wait before the next try
         while True:
             try:
                 now = self.clock()
@@ -143,13 +167,20 @@ class BatchDispatcher:
                 # lease. One read then, not a round of store writes (on the store's thread,
                 # whose Python takes the GIL from the event loop, in a burst of requests too).
                 if not self._tasks and not await self.db(self.store.has_open_batches):
+                    self._finish_soon = False  # no open batch: none to end
                     await self._archive(now)
                     next_maintenance = 0.0  # an open batch is maintained at once
                     free = 0
                 else:
                     if now >= next_maintenance:
+                        self._finish_soon = False
                         await self._maintain(now)
                         next_maintenance = now + self.config.maintenance_s
+                    elif self._finish_soon:
+                        self._finish_soon = False
+                        ended = await self.db(self.store.finish_batches, now)
+                        if ended:
+                            self.on_finished(ended)
                     config = self.config
                     free = lease_room(
                         len(self._tasks), self.engine_load(), config.queue_target, config.depth
@@ -157,19 +188,23 @@ class BatchDispatcher:
                 leased: list[LeasedRequest] = []
                 if free > 0 and self.ready():
                     leased = await self.db(
-                        self.store.lease, self.config.owner, free, self.config.lease_s, now
+                        self.store.lease, self.config.owner, free, self.config.lease_s, now, True
                     )
                 for request in leased:
                     key = (request.batch_id, request.idx)
                     self._leases[key] = request.epoch
                     self._tasks[key] = asyncio.create_task(self._execute(request))
+                failures = 0
                 if leased and len(leased) == free:
                     continue  # maybe more: fill up as soon as a slot frees
             except asyncio.CancelledError:
                 raise
             except Exception:
-                logger.exception("batch dispatcher step failed; retrying")
-            self._wake.clear()
+                failures += 1
+                logger.exception("batch dispatcher step failed (%d in a row); retrying", failures)
+                await asyncio.sleep(self._backoff(failures))
+            if not self._finish_soon:  # a batch may have ended: look now, not after a wait
+                self._wake.clear()
             # With requests running, look again soon: the engine may take more as it runs
             # them (the room follows its running count); idle, once a second.
             wait_s = self.config.poll_s if self._tasks else self.config.poll_s * 20
@@ -178,12 +213,13 @@ class BatchDispatcher:
 
     async def _maintain(self, now: float) -> None:
         store = self.store
-        await self.db(store.requeue_expired_leases, now)
+        # Judged by the store's clock; the request did nothing wrong: no attempt counted.
+        await self.db(store.requeue_expired_leases, now, None, self.config.max_attempts, True)
         expired = await self.db(store.expire_batches, now)
         for batch_id in expired:
             await self.cancel(batch_id)
         if now - self._last_renew >= self.config.lease_s / 3 and self._leases:
-            await self.db(store.renew_leases, self.config.owner, self.config.lease_s, now)
+            await self.db(store.renew_leases, self.config.owner, self.config.lease_s, now, True)
             self._last_renew = now
         # Requests of batches canceled elsewhere (another gateway) stop here too.
         running = {b for b, _ in self._tasks}
@@ -216,18 +252,7 @@ class BatchDispatcher:
                 raise
             except APIError as exc:
                 if exc.status >= 500 and exc.status != 529:
-                    # The engine died or failed: lease it again (bounded attempts).
-                    error = self.results.error(request.api, request.endpoint, exc)
-                    await self.db(
-                        self.store.release,
-                        request.batch_id,
-                        request.idx,
-                        request.epoch,
-                        self.clock(),
-                        error,
-                        self.config.max_attempts,
-                    )
-                    self.counted("released", 1)
+                    await self._release(request, exc)
                     return
                 error = self.results.error(request.api, request.endpoint, exc)
                 await self._complete(request, "errored", error)
@@ -248,6 +273,49 @@ class BatchDispatcher:
             self._leases.pop(key, None)
             self._wake.set()
 
+    async def _release(self, request: LeasedRequest, exc: APIError) -> None:
+        """Lease a request again after the engine failed it. An engine that died while
+        the request ran counts a failed attempt (the request may be what kills it); one
+        that was down before the request reached it counts none."""
+        error: str | None = None
+        if isinstance(exc.__cause__, EngineDeadError) or exc.kind != "engine_down":
+            attempts = self.config.max_attempts
+            why = APIError(
+                exc.status,
+                exc.kind,
+                f"the engine failed while running this request, on each of its {attempts} "
+                f"attempt{'s' if attempts != 1 else ''}; the last time: {exc.message}",
+            )
+            error = self.results.error(request.api, request.endpoint, why)
+        await self._retrying(
+            self.store.release,
+            request.batch_id,
+            request.idx,
+            request.epoch,
+            self.clock(),
+            error,
+            self.config.max_attempts,
+        )
+        self.counted("released", 1)
+
+    def _backoff(self, failures: int) -> float:
+        return float(min(self.config.retry_s * 2 ** (failures - 1), self.config.retry_max_s))
+
+    async def _retrying(self, fn: Callable[..., T], *args: Any) -> T:
+        """A store call, retried with backoff until it succeeds (or the task is canceled)."""
+        failures = 0
+        while True:
+            try:
+                return await self.db(fn, *args)
+            except Exception:
+                failures += 1
+                logger.exception(
+                    "batch store call %s failed (%d in a row); retrying",
+                    getattr(fn, "__name__", fn),
+                    failures,
+                )
+                await asyncio.sleep(self._backoff(failures))
+
     async def _complete(self, request: LeasedRequest, status: str, result: str | None) -> None:
         outcome = Outcome(request.batch_id, request.idx, request.epoch, status, result)  # type: ignore[arg-type]
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -258,23 +326,39 @@ class BatchDispatcher:
 
     async def _commit_soon(self) -> None:
         # Outcomes that arrive while a commit is in flight go in the next round: without the
-        # loop, the last of them could wait for a completion that never comes.
+        # loop, the last of them could wait for a completion that never comes. A failed
+        # commit keeps its outcomes for the next round, after a backoff; nothing ends this
+        # loop but the last outcome committed (or stop()).
+        failures = 0
         while self._outcomes:
             await asyncio.sleep(self.config.commit_s)
-            await self._commit()
+            if await self._commit():
+                failures = 0
+            else:
+                failures += 1
+                await asyncio.sleep(self._backoff(failures))
 
-    async def _commit(self) -> None:
+    async def _commit(self) -> bool:
+        """One try at committing the outcomes waiting; False (and they wait on) on a store
+        error."""
         batch, self._outcomes = self._outcomes, []
         if not batch:
-            return
+            return True
         try:
             outcomes = [o for o, _ in batch]
             accepted = await self.db(self.store.complete_many, outcomes, self.clock())
-        except Exception as exc:
-            for _, done in batch:
-                if not done.done():
-                    done.set_exception(exc)
+        except asyncio.CancelledError:
+            self._outcomes[:0] = batch  # stop() tries them once more
             raise
+        except Exception:
+            logger.exception("committing %d batch results failed; retrying", len(batch))
+            self._outcomes[:0] = batch  # first in the next round, before later arrivals
+            return False
+        here = {(o.batch_id, o.idx) for o in outcomes}
+        running = {b for b, i in self._tasks if (b, i) not in here}
+        if any(o.batch_id not in running for o in outcomes):
+            self._finish_soon = True
+            self._wake.set()
         if accepted == len(batch):  # the usual case; otherwise the refused are not counted
             for status in {o.status for o, _ in batch}:
                 self.counted(status, sum(o.status == status for o, _ in batch))
@@ -287,6 +371,7 @@ class BatchDispatcher:
         for _, done in batch:
             if not done.done():
                 done.set_result(True)
+        return True
 
 
 class ResultFormats:

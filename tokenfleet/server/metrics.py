@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
@@ -45,6 +45,11 @@ class _EngineCollector(Collector):
             "tokenfleet_preemptions",
             "requests preempted since the engine started",
             value=stats.num_preemptions,
+        )
+        yield CounterMetricFamily(
+            "tokenfleet_prefix_cache_hit_tokens",
+            "prompt tokens served from the prefix cache since the engine started",
+            value=stats.num_prefix_hit_tokens,
         )
         yield from _step_model_gauges(stats)
         yield from _class_metrics(stats)
@@ -158,6 +163,26 @@ class Metrics:
             "batch request outcomes this gateway committed (succeeded, errored, canceled) or "
             "gave back after an engine failure (released)",
             ("outcome",),
+            registry=self.registry,
+        )
+        # The gateway's own defences: requests refused by their group's limits, streams
+        # aborted for a reader that fell behind, large bodies being checked off the loop.
+        self.rate_limited = Counter(
+            "tokenfleet_rate_limited",
+            "interactive requests refused (429) by their key group's limits, by limit "
+            "(requests: concurrency or requests per minute; tokens: tokens per minute)",
+            ("limit",),
+            registry=self.registry,
+        )
+        self.streams_stalled = Counter(
+            "tokenfleet_streams_stalled",
+            "streams aborted because their reader fell behind (the send buffer stayed full "
+            "past --stream-stall-timeout)",
+            registry=self.registry,
+        )
+        self.prechecks_running = Gauge(
+            "tokenfleet_body_checks_running",
+            "large bodies being checked and tokenized in the thread pool now",
             registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine_stats))

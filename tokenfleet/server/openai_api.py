@@ -6,21 +6,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.server.body import read_body
+from tokenfleet.server.bounds import (
+    JSON_INT_MAX,
+    MAX_CONTENT_BLOCKS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_N,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_PROMPTS,
+    MAX_STOP_CHARS,
+    MAX_STOP_SEQUENCES_OPENAI,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKENS_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    TOP_K_MAX,
+    check_seed,
+    clamp_top_k,
+)
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
+from tokenfleet.server.schemas import drop_nulls, nullable_fields
 from tokenfleet.server.service import (
     ClientDisconnected,
     GenerationService,
@@ -39,11 +59,15 @@ class ContentPart(BaseModel):
     text: str
 
 
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=JSON_INT_MAX)]  # and within the vocabulary, checked later
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_BLOCKS)] | None = None
 
     _text_only = field_validator("content", mode="before")(text_blocks)
 
@@ -52,25 +76,48 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI accepts as null, read as left out (their defaults): schemas.drop_nulls.
+_NULLABLE = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stream",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "max_tokens",
+    "echo",
+)
+
+
 class CommonRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=nullable_fields)
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = _NULLABLE
 
     model: str
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
-    n: int = Field(1, ge=1, le=16)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    top_k: int = Field(0, ge=-1, le=TOP_K_MAX)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: (
+        StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_SEQUENCES_OPENAI)] | None
+    ) = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extras, served: ignore_eos, top_k, stop_token_ids
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     # token id -> bias (JSON object keys are strings; pydantic reads them as ints)
-    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )
+
+    _nulls = model_validator(mode="before")(drop_nulls)
 
     def stop_list(self) -> list[str]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -95,6 +142,13 @@ class CommonRequest(BaseModel):
             message = "The 'stream_options' parameter is only allowed when 'stream' is enabled."
             raise APIError(400, "invalid_request", message, param="stream_options")
 
+    def check_bounds(self, vocab: int) -> None:
+        """What needs the model: token ids within its vocabulary, top_k past it as off
+        (0), and seed + i a 64-bit seed for every choice i of n."""
+        check_seed(self.seed, self.n)
+        self.top_k = clamp_top_k(self.top_k, vocab)
+        self.check_token_ids(vocab)
+
     def check_token_ids(self, vocab: int) -> None:
         """logit_bias and stop_token_ids name tokens of the vocabulary."""
         for param, ids in (
@@ -112,16 +166,25 @@ class CommonRequest(BaseModel):
 
 
 class ChatRequest(CommonRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class CompletionRequest(CommonRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int = Field(16, ge=0)  # 0: with echo, the prompt scored and nothing more
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]
+        | Annotated[
+            list[Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)]],
+            Field(max_length=MAX_PROMPTS),
+        ]
+    )
+    # 0: with echo, the prompt scored and nothing more
+    max_tokens: int = Field(16, ge=0, le=MAX_TOKENS_MAX)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False  # the prompt before the completion (with logprobs: its logprobs too)
 
@@ -188,6 +251,40 @@ async def merge(
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) character for each byte, reversed: char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int, text: str | None = None) -> list[int]:
+    """A token's own UTF-8 bytes (chat logprobs' `bytes`): for a token that is only part
+    of a multi-byte character, its part, not the replacement character its text shows."""
+    text = token_text(tokenizer, token_id) if text is None else text
+    if "\ufffd" not in text:
+        return list(text.encode())
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return list(text.encode())
+    match = _BYTE_FALLBACK.fullmatch(piece)
+    if match:
+        return [int(match[1], 16)]
+    if all(c in _BYTE_OF_CHAR for c in piece):
+        return [_BYTE_OF_CHAR[c] for c in piece]
+    return list(text.encode())
 
 
 class Run:

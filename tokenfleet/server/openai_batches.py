@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
@@ -35,7 +35,9 @@ from tokenfleet.server.batch_input import (
 )
 from tokenfleet.server.batch_state import BatchState, owner_of
 from tokenfleet.server.body import read_body
+from tokenfleet.server.bounds import CURSOR_PATTERN, MAX_CURSOR_CHARS
 from tokenfleet.server.errors import APIError, openai_error_body
+from tokenfleet.server.schemas import request_body
 from tokenfleet.server.service import GenerationService
 
 router = APIRouter()
@@ -183,7 +185,7 @@ def check_input(
     return None
 
 
-@router.post(PATH)
+@router.post(PATH, openapi_extra=request_body(CreateBatchRequest))
 async def create_batch(request: Request) -> JSONResponse:
     state: BatchState = request.app.state.batches
     owner = owner_of(request)
@@ -233,10 +235,12 @@ async def create_batch(request: Request) -> JSONResponse:
 
 
 @router.get(PATH)
-async def list_batches(request: Request, limit: int = 20, after: str | None = None) -> JSONResponse:
+async def list_batches(
+    request: Request,
+    limit: int = Query(20, ge=1, le=100),
+    after: str | None = Query(None, max_length=MAX_CURSOR_CHARS, pattern=CURSOR_PATTERN),
+) -> JSONResponse:
     state: BatchState = request.app.state.batches
-    if not 1 <= limit <= 100:
-        raise APIError(400, "invalid_request", "limit: must be 1 to 100", param="limit")
     try:
         rows, has_more = await state.db(
             state.store.list_batches, "openai", owner_of(request), limit, after

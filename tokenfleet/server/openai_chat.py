@@ -12,14 +12,17 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.engine_api import TokenLogprobs
+from tokenfleet.server.bounds import check_engine_requests, max_engine_requests
 from tokenfleet.server.errors import APIError, openai_error_body
 from tokenfleet.server.openai_api import (
     FINISH_REASONS,
     ChatRequest,
     Run,
     reply,
+    token_bytes,
     token_text,
 )
+from tokenfleet.server.schemas import request_body
 from tokenfleet.server.service import GenerationService, TextDelta
 from tokenfleet.server.sse import EventStream, prime, sse_event
 from tokenfleet.server.unsupported import OPENAI_CHAT, OPENAI_MESSAGE, refuse_unsupported
@@ -30,7 +33,7 @@ router = APIRouter()
 def _chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> list[dict[str, Any]]:
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob, "bytes": token_bytes(tokenizer, token_id, text)}
 
     return [
         {**one(e.token_id, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
@@ -38,7 +41,7 @@ def _chat_logprobs(tokenizer: Tokenizer, entries: list[TokenLogprobs]) -> list[d
     ]
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=request_body(ChatRequest))
 async def chat_completions(request: Request) -> Response:
     return await reply(request, ChatRequest, _chat_completions)
 
@@ -61,7 +64,8 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
     refuse_unsupported(body, OPENAI_CHAT)
     for i, m in enumerate(body.messages):
         refuse_unsupported(m, OPENAI_MESSAGE, f"messages.{i}.")
-    body.check_token_ids(service.vocab_size)
+    body.check_bounds(service.vocab_size)
+    check_engine_requests(body.n, max_engine_requests(service.config), "n")
     messages = []
     for m in body.messages:
         content = (

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.engine_api import TokenLogprobs
+from tokenfleet.server.bounds import check_engine_requests, max_engine_requests
 from tokenfleet.server.errors import APIError, openai_error_body
 from tokenfleet.server.openai_api import (
     FINISH_REASONS,
@@ -20,6 +21,7 @@ from tokenfleet.server.openai_api import (
     reply,
     token_text,
 )
+from tokenfleet.server.schemas import request_body
 from tokenfleet.server.service import GenerationService, TextDelta
 from tokenfleet.server.sse import EventStream, prime, sse_event
 from tokenfleet.server.unsupported import OPENAI_COMPLETION, refuse_unsupported
@@ -43,7 +45,7 @@ def _completion_logprobs(
     }
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, openapi_extra=request_body(CompletionRequest))
 async def completions(request: Request) -> Response:
     return await reply(request, CompletionRequest, _completions)
 
@@ -68,7 +70,7 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
     if best_of is not None and best_of not in (1, body.n):
         message = "best_of: only best_of equal to n is supported"
         raise APIError(400, "invalid_request", message, param="best_of")
-    body.check_token_ids(service.vocab_size)
+    body.check_bounds(service.vocab_size)
     if body.max_tokens == 0 and not body.echo:
         message = "max_tokens: 0 only with echo (the prompt scored, nothing generated)"
         raise APIError(400, "invalid_request", message, param="max_tokens")
@@ -79,6 +81,7 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
         sent = [raw]  # type: ignore[list-item]
     else:
         sent = list(raw)  # type: ignore[arg-type]
+    check_engine_requests(len(sent) * body.n, max_engine_requests(service.config), "prompt")
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in sent]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "invalid_request", "prompt must not be empty", param="prompt")

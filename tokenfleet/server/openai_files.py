@@ -12,13 +12,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 
 from tokenfleet.batch.schema import FileRow
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.server import openai_result_files
 from tokenfleet.server.batch_state import BatchState, owner_of
+from tokenfleet.server.bounds import CURSOR_PATTERN, MAX_CURSOR_CHARS
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.upload import receive_upload
 
@@ -59,7 +60,26 @@ def uploaded_path(state: BatchState, row: FileRow) -> Path:
     return state.config.files_dir / row.location
 
 
-@router.post(PATH)
+UPLOAD_SCHEMA = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "file": {"type": "string", "format": "binary"},
+                        "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
+                    },
+                    "required": ["file", "purpose"],
+                }
+            }
+        },
+    }
+}
+
+
+@router.post(PATH, openapi_extra=UPLOAD_SCHEMA)
 async def upload_file(request: Request) -> JSONResponse:
     state: BatchState = request.app.state.batches
     file_id = f"file-{uuid.uuid4().hex[:24]}"
@@ -96,14 +116,12 @@ async def upload_file(request: Request) -> JSONResponse:
 @router.get(PATH)
 async def list_files(
     request: Request,
-    purpose: str | None = None,
-    limit: int = MAX_LIST,
-    after: str | None = None,
-    order: str = "desc",
+    purpose: str | None = Query(None, max_length=64),
+    limit: int = Query(MAX_LIST, ge=1, le=MAX_LIST),
+    after: str | None = Query(None, max_length=MAX_CURSOR_CHARS, pattern=CURSOR_PATTERN),
+    order: str = Query("desc", max_length=8),
 ) -> JSONResponse:
     state: BatchState = request.app.state.batches
-    if not 1 <= limit <= MAX_LIST:
-        raise APIError(400, "invalid_request", f"limit: must be 1 to {MAX_LIST}", param="limit")
     if order != "desc":
         raise APIError(
             400, "invalid_request", "order: only 'desc' (newest first) is supported", param="order"

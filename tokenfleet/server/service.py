@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, Coroutine, Sequence
 from contextvars import ContextVar
@@ -17,7 +18,7 @@ from prometheus_client import Histogram
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.engine_api import EngineCoreRequest, TokenLogprobs
 from tokenfleet.core.sampling_params import SamplingParams
-from tokenfleet.engine.client import AsyncEngineClient, EngineDeadError
+from tokenfleet.engine.client import AsyncEngineClient, EngineDeadError, RequestFailedError
 from tokenfleet.engine.wire import EngineReady
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.policy.admission import AdmissionControl, FirstToken, StepLimit, Verdict
@@ -25,10 +26,14 @@ from tokenfleet.policy.harvest import step_time_limit
 from tokenfleet.server.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
+from tokenfleet.server.keys import ANONYMOUS_GROUP, CALLER_GROUP
+from tokenfleet.server.limits import RateLimiter
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.settings import ServeConfig
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
 
 # Priority classes as the engine's scheduler orders them (lower first).
 PRIORITIES = {"interactive": 0, "batch": 1}
@@ -145,9 +150,13 @@ class GenerationService:
         self.client = client
         self.pending = PendingRequests(server_tasks)
         client.count_pending = self.pending.count
+        client.startup_timeout_s = config.engine_start_timeout_s
+        client.restart_backoff_s = config.engine_restart_backoff_s
+        client.restart_backoff_max_s = config.engine_restart_backoff_max_s
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
+        self.limiter = RateLimiter(config.limits)  # per key group, interactive only
         engine = client.config
         limit = None
         if engine.scheduling_policy == "priority":
@@ -160,6 +169,8 @@ class GenerationService:
             config.initial_prefill_tokens_per_s,
             limit,
             scheduler.long_prefill_token_threshold,
+            max_num_seqs=scheduler.max_num_seqs,
+            block_size=engine.cache.block_size,
         )
         # metrics.py is the engine's and the latency histograms' file; this one is admission's.
         self.ttft_prediction_error = Histogram(
@@ -210,7 +221,7 @@ class GenerationService:
         if num_prompt_tokens + max_tokens > limit:
             raise APIError(
                 400,
-                "invalid_request",
+                "context_length",
                 f"prompt ({num_prompt_tokens} tokens) plus {param} ({max_tokens}) is "
                 f"{num_prompt_tokens + max_tokens} tokens, over the context length of {limit}",
                 param=param,
@@ -263,12 +274,17 @@ class GenerationService:
         `predicted`: admission's verdict (`admit`), scored against the measured time to
         first token; an interactive request given none is predicted here."""
         num_prompt = len(prompt_token_ids)
+        # The caller's key group (None without keys): its limits, and its own prefix cache.
+        group = CALLER_GROUP.get()
+        if priority == "interactive":
+            self.limiter.charge_tokens(group or ANONYMOUS_GROUP, num_prompt + params.max_tokens)
         request = EngineCoreRequest(
             f"gen-{random_hex(32)}",
             prompt_token_ids,
             params,
             time.monotonic(),
             priority=PRIORITIES[priority],
+            cache_salt=group,
         )
         start = last = time.monotonic()
         waiting_first = True
@@ -330,8 +346,16 @@ class GenerationService:
                         return
         except EngineDeadError as exc:
             raise APIError(503, "engine_down", str(exc)) from exc
+        except RequestFailedError as exc:  # this request's own failure in the engine
+            raise APIError(500, "internal", f"the request failed: {exc.message}") from exc
         except InvalidRequestError as exc:
             raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
+        except APIError:
+            raise
+        except Exception as exc:  # its detokenizing, say: this request's failure alone
+            logger.exception("request %s failed in the gateway", request.req_id)
+            message = f"the request failed: internal error ({type(exc).__name__})"
+            raise APIError(500, "internal", message) from exc
         finally:
             self.admission.requests.remove(request.req_id)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenfleet.config import EngineConfig
+from tokenfleet.server.connections import ReadDeadlines
+from tokenfleet.server.limits import GroupLimits
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -32,7 +34,9 @@ class BatchConfig:
     batch_expiry_s: float = 24 * 3600.0
     retention_s: float = 29 * 24 * 3600.0
     lease_s: float = 120.0
-    max_attempts: int = 3
+    max_attempts: int = 3  # failures of a request itself (its engine died running it)
+    # Per API key (batch owner): requests of its batches waiting to run (queued or leased).
+    max_queued_per_key: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.max_batch_requests < 1 or self.max_batch_bytes < 1024:
@@ -41,6 +45,10 @@ class BatchConfig:
             raise ValueError("batch expiry, retention and lease times must be positive")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
+        if self.max_queued_per_key < 1:
+            raise ValueError(
+                f"max_queued_per_key must be at least 1, got {self.max_queued_per_key}"
+            )
 
     @property
     def files_dir(self) -> Path:
@@ -57,6 +65,23 @@ class ServeConfig:
     port: int = 8000
     served_model_name: str = "smollm2-135m-instruct"
     api_keys: frozenset[str] = frozenset()
+    # Each caller key's group (the unit of rate limits and prefix-cache sharing); a key
+    # missing here is its own group. The operator key opens /metrics and admin routes.
+    key_groups: tuple[tuple[str, str], ...] = ()
+    operator_key: str | None = None
+    limits: GroupLimits = field(default_factory=GroupLimits)
+    read_deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
+    # Connections open at once (uvicorn's limit_concurrency: a 503 beyond) and seconds an
+    # idle kept-alive connection is held.
+    max_connections: int = 1024
+    keep_alive_s: float = 5.0
+    # A stream whose reader falls behind: once the server's send buffer is full, it is
+    # aborted (its engine request and KV blocks freed) after this many seconds.
+    stream_stall_timeout_s: float = 30.0
+    # Generation bodies over this many bytes are checked and tokenized off the event loop,
+    # in a pool of `check_threads` threads.
+    offload_body_bytes: int = 16 * 1024
+    check_threads: int = 2
     max_body_bytes: int = 8 * 2**20
     # Admission control: refuse an interactive request whose predicted time to first
     # token exceeds this (seconds), instead of queueing it without bound.
@@ -64,6 +89,12 @@ class ServeConfig:
     # Prefill speed assumed until the gateway has measured the engine's own.
     initial_prefill_tokens_per_s: float = 1000.0
     heartbeat_timeout_s: float = 30.0
+    # The engine process: killed if it has not said it is ready this long after it started
+    # (a hung start); restarted after a death with exponential backoff from
+    # engine_restart_backoff_s, at most engine_restart_backoff_max_s between tries.
+    engine_start_timeout_s: float = 600.0
+    engine_restart_backoff_s: float = 0.5
+    engine_restart_backoff_max_s: float = 60.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
 
@@ -77,5 +108,20 @@ class ServeConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.operator_key is not None and self.operator_key in self.api_keys:
+            raise ValueError("--operator-key must differ from every caller's API key")
+        if self.max_connections < 1 or self.keep_alive_s <= 0:
+            raise ValueError("max_connections and keep_alive_s must be positive")
+        if self.stream_stall_timeout_s <= 0 or self.check_threads < 1:
+            raise ValueError("stream_stall_timeout_s and check_threads must be positive")
+        deadlines = self.read_deadlines
+        if min(deadlines.header_timeout_s, deadlines.body_timeout_s) <= 0:
+            raise ValueError("header and body read timeouts must be positive")
+        if deadlines.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be at least 1024")
         if self.ttft_target_s <= 0:
             raise ValueError(f"ttft_target_s must be positive, got {self.ttft_target_s}")
+        if self.engine_start_timeout_s <= 0 or self.engine_restart_backoff_s < 0:
+            raise ValueError("engine start timeout must be positive, restart backoff >= 0")
+        if self.engine_restart_backoff_max_s < self.engine_restart_backoff_s:
+            raise ValueError("engine restart backoff cap must be at least the initial backoff")

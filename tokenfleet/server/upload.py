@@ -5,6 +5,7 @@ other fields are small strings."""
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -103,7 +104,8 @@ class _Form:
 
 
 async def receive_upload(request: Request, path: Path, limit: int, file_field: str) -> Upload:
-    """Reads the form, its file part into `path` (created; removed again on any failure)."""
+    """Reads the form, its file part into `path` (created whole, synced to disk, or not at
+    all: removed again on any failure)."""
     ctype, params = parse_options_header(request.headers.get("content-type"))
     if ctype != b"multipart/form-data" or b"boundary" not in params:
         raise _bad("the body must be multipart/form-data")
@@ -125,7 +127,10 @@ async def receive_upload(request: Request, path: Path, limit: int, file_field: s
             "on_end": form.on_end,
         },
     )
-    out: IO[bytes] = path.open("wb")
+    # Written under a temporary name, synced, then renamed into place (and the folder
+    # synced): `path` is either absent or whole, whatever crash comes in between.
+    part = path.with_name(f".{path.name}.part")
+    out: IO[bytes] = part.open("wb")
     try:
         with out:
             async for chunk in request.stream():
@@ -135,15 +140,34 @@ async def receive_upload(request: Request, path: Path, limit: int, file_field: s
             parser.finalize()
             if form.pending:
                 await asyncio.to_thread(out.write, form.take())
-        if not form.ended:
-            raise _bad("the multipart body ends early")
+            if not form.ended:
+                raise _bad("the multipart body ends early")
+            await asyncio.to_thread(_sync, out)
+        await asyncio.to_thread(_publish, part, path)
     except FormParserError as exc:
+        part.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         raise _bad(f"malformed multipart body: {exc}") from exc
     except BaseException:
+        part.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
         raise
     return upload
+
+
+def _sync(out: IO[bytes]) -> None:
+    out.flush()
+    os.fsync(out.fileno())
+
+
+def _publish(part: Path, path: Path) -> None:
+    """Renames the synced `part` to `path` and syncs the folder, so the name lasts too."""
+    os.replace(part, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _bad(message: str) -> APIError:
