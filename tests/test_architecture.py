@@ -105,3 +105,19 @@ def test_the_simulator_and_the_bookkeeping_load_no_heavy_layer(modules: tuple[st
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_at_most_six_modules_stay_at_the_top_of_the_package() -> None:
+    top = sorted(p.name for p in (ROOT / "tokenfleet").glob("*.py"))
+    assert top == ["__init__.py", "config.py", "envs.py", "errors.py", "llm.py"]
+
+
+def test_a_module_over_400_lines_says_why_at_its_top() -> None:
+    """STYLE.md's habit, held: one concept per module; a long one gives its reason in its
+    docstring ("Over 400 lines: ...")."""
+    unexplained = []
+    for path in sorted((ROOT / "tokenfleet").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 400 and "Over 400 lines" not in text.split('"""')[1]:
+            unexplained.append(str(path.relative_to(ROOT)))
+    assert unexplained == []

@@ -1,8 +1,8 @@
 """Percentiles with the semantics their benchmarks report.
 
-tokenfleet.loadgen.report.percentile (q in 0..100, linear interpolation, None without
-values) is the one for request latencies; these two differ from it and are kept as the
-benchmarks' results were computed.
+`percentile` is tokenfleet.loadgen.report.percentile (q in 0..100, linear interpolation)
+with NaN in place of its None, for JSON and tables; `nearest_rank` is another statistic,
+kept as step_spread's results were computed.
 """
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
+from tokenfleet.loadgen.report import percentile as _percentile
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (q in 0..100) by numpy's linear interpolation; NaN without
-    values (a JSON and table figure, never None)."""
-    return float(np.percentile(values, q)) if values else math.nan
+    """The q-th percentile (q in 0..100), linearly interpolated; NaN without values (a JSON
+    and table figure, never None)."""
+    value = _percentile(values, q)
+    return math.nan if value is None else value
 
 
 def nearest_rank(values: list[float], q: float) -> float:

@@ -30,20 +30,6 @@ DAY = 24 * 3600.0
 ERROR = '{"type": "errored", "error": {"type": "api_error", "message": "died 3 times"}}'
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'batches.db'}"
-    postgres_url: str = request.getfixturevalue("postgres_url")
-    return postgres_url
-
-
-@pytest.fixture
-def store(url: str) -> Iterator[BatchStore]:
-    with BatchStore(url) as store:
-        yield store
-
-
 def new_batch(
     batch_id: str, owner: str = "alice", created_at: float = T0, expires_at: float | None = None
 ) -> NewBatch:

@@ -33,20 +33,6 @@ T0 = 1_750_000_000.0
 DAY = 24 * 3600.0
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'batches.db'}"
-    postgres_url: str = request.getfixturevalue("postgres_url")
-    return postgres_url
-
-
-@pytest.fixture
-def store(url: str) -> Iterator[BatchStore]:
-    with BatchStore(url) as store:
-        yield store
-
-
 def new_batch(
     batch_id: str,
     *,

@@ -10,6 +10,7 @@ bounded window of recent steps plus the profile's steps, kept as a prior so that
 period with no prefill never forgets the prefill slope.
 
 Torch-free: the engine feeds it measured seconds, the simulator uses it as its cost model.
+(Over 400 lines: the features, the one pricing function and the online fit belong together.)
 """
 
 from __future__ import annotations
