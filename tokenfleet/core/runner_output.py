@@ -14,3 +14,6 @@ class ModelRunnerOutput(msgspec.Struct):
     logprobs: dict[str, TokenLogprobs] = {}
     # req_id -> (position of the first prompt token scored, the entries from there on)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = {}
+    # req_id -> why: requests that failed on their own in this step (their sampling, say),
+    # left out of the fields above; the engine ends them with that error.
+    failed: dict[str, str] = {}

@@ -237,7 +237,7 @@ class EngineCore:
         if not scheduler_output.is_empty:
             self.step_model.observe(features, time.perf_counter() - began)
         outputs = self._pending + self.scheduler.update(scheduler_output, runner_output)
-        failed = self.runner.failed_requests
+        failed = runner_output.failed
         if failed:  # gained no token this step (update passed them over): ended here
             outputs += self.fail_requests(failed)
         if self._fcfs_batch:

@@ -22,7 +22,6 @@ class FixedTokenRunner:
         self.config = config
         self.token_id = token_id
         self.num_blocks = num_blocks
-        self.failed_requests: dict[str, str] = {}  # never any: it samples nothing
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput({s.req_id: self.token_id for s in so.scheduled if s.sample})

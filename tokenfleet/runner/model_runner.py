@@ -99,7 +99,6 @@ class ModelRunner:
         # The requests of the latest step that failed on their own (their sampling, their
         # logprobs: never the forward pass, which is the whole step's), with what failed:
         # they have no token in its output, and the engine ends them with an error.
-        self.failed_requests: dict[str, str] = {}
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB, %s)",
             self.num_blocks,
@@ -124,7 +123,6 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in so.finished_req_ids:
             self._generators.pop(req_id, None)
-        self.failed_requests = {}
         if so.is_empty:
             return ModelRunnerOutput({})
         # Decodes first: attention then treats them as one slice of the batch.
@@ -160,7 +158,7 @@ class ModelRunner:
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )
-        failed = self.failed_requests
+        failed: dict[str, str] = {}
         prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], scored, failed)
         logits = logits[:num_sampling]
         sampling = [s for s in batch if s.sample]
@@ -198,6 +196,7 @@ class ModelRunner:
                 if lp and s.req_id not in failed
             },
             prompt_logprobs={k: v for k, v in prompt_logprobs.items() if k not in failed},
+            failed=failed,
         )
 
     @staticmethod
