@@ -31,7 +31,7 @@ from typing import Any
 
 import httpx
 from common.results import args_json, format_table, machine_info
-from common.server import free_port, serving, wait_healthy
+from common.server import tokenfleet_serve
 
 MODEL = "smollm2-135m-instruct"
 RESULT_NAME = "batch_fairness"
@@ -181,18 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tokenfleet-batch-fairness-") as tmp:
         keys = Path(tmp) / "keys"
         keys.write_text(f"{KEY_A}\n{KEY_B}\n")
-        port = free_port()
-        argv_serve = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
-        argv_serve += ["--runner", "fixed", "--max-num-seqs", str(args.max_num_seqs)]
-        argv_serve += ["--api-keys-file", str(keys), "--data-dir", str(Path(tmp) / "data")]
-        argv_serve += ["--max-batch-requests", str(max(100_000, args.a_requests))]
+        flags = ["--runner", "fixed", "--max-num-seqs", str(args.max_num_seqs)]
+        flags += ["--api-keys-file", str(keys)]
+        flags += ["--max-batch-requests", str(max(100_000, args.a_requests))]
         if args.database_url:
-            argv_serve += ["--database-url", args.database_url]
-        log = Path(tmp) / "serve.log"
-        url = f"http://127.0.0.1:{port}"
-        with serving(argv_serve, log, stop_timeout_s=60) as server:
-            wait_healthy(server, url, log, timeout_s=300)
-            result = run(args, url)
+            flags += ["--database-url", args.database_url]
+        with tokenfleet_serve("serve", Path(tmp), flags) as server:
+            result = run(args, server.url)
 
     result = {
         "command": shlex.join([sys.executable, *sys.argv]),

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from typing import Any
 
 import httpx
 from common.results import args_json, format_table, machine_info
-from common.server import free_port, serving, wait_healthy
+from common.server import Server, tokenfleet_serve
 from tqdm import tqdm
 
 MODEL = "smollm2-135m-instruct"
@@ -84,17 +83,12 @@ def main(argv: list[str] | None = None) -> int:
 
     started = datetime.now(UTC)
     with tempfile.TemporaryDirectory(prefix="tokenfleet-batch-scale-") as tmp:
-        port = free_port()
-        argv_serve = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
-        argv_serve += ["--runner", "fixed", "--max-num-seqs", str(args.max_num_seqs)]
-        argv_serve += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-        argv_serve += ["--data-dir", str(Path(tmp) / "data")]
+        flags = ["--runner", "fixed", "--max-num-seqs", str(args.max_num_seqs)]
+        flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.database_url:
-            argv_serve += ["--database-url", args.database_url]
-        log = Path(tmp) / "serve.log"
-        url = f"http://127.0.0.1:{port}"
-        with serving(argv_serve, log, stop_timeout_s=60) as server:
-            result = run(args, url, server, log)
+            flags += ["--database-url", args.database_url]
+        with tokenfleet_serve("serve", Path(tmp), flags) as server:
+            result = run(args, server)
 
     result.update(
         {
@@ -132,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def run(args: argparse.Namespace, url: str, server: subprocess.Popen[bytes], log: Path) -> dict:
-    health = wait_healthy(server, url, log, timeout_s=300)
-    engine_pid = int(health.json()["engine_pid"])
-    before = {"gateway": memory_kib(server.pid), "engine": memory_kib(engine_pid)}
+def run(args: argparse.Namespace, server: Server) -> dict:
+    url = server.url
+    engine_pid = int(server.ready["engine_pid"])
+    before = {"gateway": memory_kib(server.process.pid), "engine": memory_kib(engine_pid)}
     body_bytes = sum(len(c) for c in request_lines(args.requests, args.max_tokens, args.pad_words))
 
     print(f"creating a batch of {args.requests} requests ({body_bytes / 1e6:.1f} MB body) ...")
@@ -162,7 +156,7 @@ def run(args: argparse.Namespace, url: str, server: subprocess.Popen[bytes], log
                     break
                 time.sleep(0.5)
         end_to_end_s = time.monotonic() - t0
-        after = {"gateway": memory_kib(server.pid), "engine": memory_kib(engine_pid)}
+        after = {"gateway": memory_kib(server.process.pid), "engine": memory_kib(engine_pid)}
         t1 = time.monotonic()
         lines, ids, types = 0, set(), {}
         with http.stream("GET", f"/v1/messages/batches/{batch_id}/results") as results:

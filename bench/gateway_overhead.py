@@ -65,7 +65,7 @@ import msgspec
 import numpy as np
 import torch
 from common.results import BUSY_WARNING, args_json, cpu_busy_fraction, format_table, machine_info
-from common.server import start_gateway, stop_gateway
+from common.server import tokenfleet_serve
 from common.stats import percentile
 from tqdm import tqdm
 
@@ -1001,8 +1001,8 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         client = AsyncEngineClient(engine_config, heartbeat_timeout_s=24 * 3600)
         await client.start()
         stack.push_async_callback(client.shutdown)
-        gateway = await start_gateway(serve_args, log_dir)
-        stack.callback(stop_gateway, gateway)
+        # Started before any load: the loop has nothing else to do while it waits.
+        gateway = stack.enter_context(tokenfleet_serve("gateway", log_dir, serve_args))
         http = await stack.enter_async_context(
             httpx.AsyncClient(base_url=gateway.url, timeout=600)
         )  # /metrics only; the streams go over `connections`
@@ -1024,7 +1024,11 @@ async def run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             "core": CpuMeter({"bench": "self"}),
             "client": CpuMeter({"bench": "self", "engine": client.pid}),
             "http": CpuMeter(
-                {"bench": "self", "gateway": gateway.process.pid, "engine": gateway.engine_pid}
+                {
+                    "bench": "self",
+                    "gateway": gateway.process.pid,
+                    "engine": int(gateway.ready["engine_pid"]),
+                }
             ),
         }
 

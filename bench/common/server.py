@@ -1,20 +1,16 @@
 """Servers on 127.0.0.1 for the benchmarks: a free port, a `tokenfleet serve` or a peer
 (bench/peers/serve-peer) started, awaited until it answers, and stopped.
 
-Three ways, as the benchmarks measure:
-
-* started / tokenfleet_server / peer_server: a context manager; the server in its own
-  process group, ready when a path answers 200, stopped whole (SIGTERM, then SIGKILL).
-* start_gateway / stop_gateway: async; ready when /health answers, which gives the engine
-  process's pid; the gateway alone is signalled.
-* serving / wait_healthy: the server in its own process group, SIGTERM to the group when
-  done; /health's answer returned (its engine_pid).
+One way for every benchmark: `started` runs the server in its own process group, waits
+until a path answers 200 (its JSON kept as `Server.ready`: /health gives the engine's
+pid), and stops the group whole (SIGTERM, then SIGKILL). `tokenfleet_serve` and
+`peer_server` build the command lines; `tokenfleet_server` is the serving benchmarks'
+command line (policy, targets, threads) on top of `tokenfleet_serve`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import socket
@@ -23,8 +19,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +46,7 @@ class Server:
     url: str
     process: subprocess.Popen[bytes]
     log: Path
+    ready: dict[str, Any] = field(default_factory=dict)  # the ready path's JSON answer
 
 
 def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
@@ -75,11 +72,14 @@ def wait_ready(server: Server, path: str, timeout_s: float) -> None:
         if server.process.poll() not in (None, 0):  # serve-peer exits 0 once its peer answers
             raise RuntimeError(f"{server.name} did not start: {server.log.read_text()[-3000:]}")
         try:
-            if httpx.get(server.url + path, timeout=2).status_code == 200:
-                return
+            answer = httpx.get(server.url + path, timeout=2)
         except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+            answer = None
+        if answer is not None and answer.status_code == 200:
+            is_json = answer.headers.get("content-type", "").startswith("application/json")
+            server.ready = answer.json() if is_json else {}
+            return
+        time.sleep(0.2)
     raise TimeoutError(
         f"{server.name} not ready in {timeout_s} s: {server.log.read_text()[-3000:]}"
     )
@@ -116,6 +116,19 @@ def started(
         process.wait()
 
 
+def tokenfleet_serve(
+    name: str, tmp: Path, flags: Sequence[str], timeout_s: float = 300
+) -> AbstractContextManager[Server]:
+    """`tokenfleet serve` on a free port of 127.0.0.1 with `flags` and its own data folder
+    under `tmp`, ready when /health answers (`Server.ready["engine_pid"]`)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--data-dir", tempfile.mkdtemp(prefix=f"{name}-data-", dir=tmp)]
+    argv += list(flags)
+    url = f"http://127.0.0.1:{port}"
+    return started(name, argv, url, "/health", tmp / f"{name}.log", None, timeout_s)
+
+
 def tokenfleet_server(
     args: argparse.Namespace,
     tmp: Path,
@@ -123,22 +136,17 @@ def tokenfleet_server(
     policy: str,
     targets: tuple[float, float] | None,
     extra: Sequence[str] = (),
-) -> Any:
-    port = free_port()
-    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
-    argv += ["--scheduling-policy", policy, "--num-threads", str(args.num_threads)]
-    argv += ["--max-model-len", str(args.max_model_len)]
-    argv += ["--data-dir", tempfile.mkdtemp(prefix=f"{name}-data-", dir=tmp)]
+) -> AbstractContextManager[Server]:
+    flags = ["--scheduling-policy", policy, "--num-threads", str(args.num_threads)]
+    flags += ["--max-model-len", str(args.max_model_len)]
     if targets is None:  # calibration: nothing refused
-        argv += ["--ttft-target", "3600"]
+        flags += ["--ttft-target", "3600"]
     else:
-        argv += ["--ttft-target", f"{targets[0]:.4f}", "--tpot-target", f"{targets[1]:.4f}"]
-    argv += list(extra)
-    url = f"http://127.0.0.1:{port}"
-    return started(name, argv, url, "/health", tmp / f"{name}.log", None, 300)
+        flags += ["--ttft-target", f"{targets[0]:.4f}", "--tpot-target", f"{targets[1]:.4f}"]
+    return tokenfleet_serve(name, tmp, [*flags, *extra])
 
 
-def peer_server(args: argparse.Namespace, tmp: Path, name: str) -> Any:
+def peer_server(args: argparse.Namespace, tmp: Path, name: str) -> AbstractContextManager[Server]:
     port = free_port()
     env = {
         "THREADS": str(args.num_threads),
@@ -148,87 +156,3 @@ def peer_server(args: argparse.Namespace, tmp: Path, name: str) -> Any:
     argv = [str(SERVE_PEER), name, str(port)]
     url = f"http://127.0.0.1:{port}"
     return started(name, argv, url, "/v1/models", tmp / f"serve-peer-{name}.log", env, 960)
-
-
-# -- a gateway awaited in an event loop, with its engine's pid -------------------------------
-
-
-@dataclass
-class Gateway:
-    url: str
-    process: subprocess.Popen[bytes]
-    log: Path
-    engine_pid: int = 0
-
-
-async def start_gateway(argv_tail: list[str], log_dir: Path, timeout_s: float = 300) -> Gateway:
-    port = free_port()
-    log = log_dir / "serve.log"
-    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--data-dir", str(log_dir / "data"), *argv_tail]
-    with log.open("wb") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
-    gateway = Gateway(f"http://127.0.0.1:{port}", process, log)
-    deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=5) as http:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(f"tokenfleet serve exited: {log.read_text()[-3000:]}")
-            try:
-                response = await http.get("/health")
-                if response.status_code == 200:
-                    gateway.engine_pid = int(response.json()["engine_pid"])
-                    return gateway
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-    stop_gateway(gateway)
-    raise TimeoutError(f"tokenfleet serve not healthy in {timeout_s}s: {log.read_text()[-3000:]}")
-
-
-def stop_gateway(gateway: Gateway) -> None:
-    if gateway.process.poll() is None:
-        gateway.process.send_signal(signal.SIGTERM)
-        try:
-            gateway.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            gateway.process.kill()
-            gateway.process.wait()
-
-
-# -- a server whose group gets SIGTERM when done; /health's answer -------------------------
-
-
-@contextmanager
-def serving(
-    argv: list[str], log: Path, stop_timeout_s: float = 60
-) -> Iterator[subprocess.Popen[bytes]]:
-    """`argv` started in its own process group, its output into `log`; SIGTERM to the group
-    on the way out, then up to stop_timeout_s for it to exit."""
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        yield server
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=stop_timeout_s)
-
-
-def wait_healthy(
-    server: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float = 300
-) -> httpx.Response:
-    """Polls `url`/health until it answers 200 (returned); RuntimeError if the server exits
-    or timeout_s passes first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if server.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"server did not start: {log.read_text()[-3000:]}")
-        try:
-            health = httpx.get(f"{url}/health", timeout=2)
-            if health.status_code == 200:
-                return health
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)

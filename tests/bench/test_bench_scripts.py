@@ -61,3 +61,17 @@ def test_no_script_imports_another(path: Path) -> None:
     a helper in bench/common import a script."""
     others = SCRIPT_NAMES - {path.stem if path.parent == BENCH else ""}
     assert not imported_modules(path) & others
+
+
+def test_servers_start_in_one_place() -> None:
+    """A benchmark's server starts, is awaited and is stopped in bench/common/server.py and
+    nowhere else: one `subprocess.Popen` and one `tokenfleet serve` command line."""
+    server = BENCH / "common" / "server.py"
+    for path in SCRIPTS + HELPERS:
+        text = path.read_text()
+        if path == server:
+            assert text.count("subprocess.Popen(") == 1
+            assert text.count('"tokenfleet.cli", "serve"') == 1
+        else:
+            assert "Popen" not in text, path
+            assert '"tokenfleet.cli", "serve"' not in text, path
