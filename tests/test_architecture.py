@@ -3,6 +3,7 @@ deliberately bad import, and the simulator's entry points load none of the heavy
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -121,3 +122,30 @@ def test_a_module_over_400_lines_says_why_at_its_top() -> None:
         if text.count("\n") > 400 and "Over 400 lines" not in text.split('"""')[1]:
             unexplained.append(str(path.relative_to(ROOT)))
     assert unexplained == []
+
+
+def _serve_commands_and_popens(path: Path) -> tuple[int, int]:
+    """In `path`'s code (not its strings): the `tokenfleet serve` command lines (a list
+    holding "tokenfleet.cli", "serve") and the calls to `subprocess.Popen`."""
+    serves = popens = 0
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.List):
+            words = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+            serves += any(
+                words[i : i + 2] == ["tokenfleet.cli", "serve"] for i in range(len(words))
+            )
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            popens += node.func.attr == "Popen"
+    return serves, popens
+
+
+def test_tests_start_a_server_in_one_place() -> None:
+    """A test's `tokenfleet serve` starts, is awaited and is stopped by
+    tests/support/live_server.py; other tests only run the command to see it refuse."""
+    tests = ROOT / "tests"
+    support = tests / "support" / "live_server.py"
+    assert _serve_commands_and_popens(support) == (1, 1)
+    for path in tests.rglob("*.py"):
+        serves, popens = _serve_commands_and_popens(path)
+        if path != support and serves:
+            assert popens == 0, path

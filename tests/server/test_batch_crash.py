@@ -6,20 +6,16 @@ greedy output."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import pytest
-from support.live_server import MODEL, LiveServer, children, free_port, wait_gone
+from support.live_server import MODEL, LiveServer, children, free_port, live_server, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -42,25 +38,11 @@ def batch_requests() -> list[dict[str, Any]]:
     ]
 
 
-@contextmanager
-def server_group(tmp: Path, data_dir: Path, port: int) -> Iterator[LiveServer]:
-    """`tokenfleet serve` in a process group of its own (gateway and engine)."""
-    log = tmp / f"server-{port}-{time.monotonic_ns()}.log"
-    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
-    argv += ["--kv-cache-memory", str(256 << 20), "--num-threads", "1"]
-    argv += ["--data-dir", str(data_dir), "--gateway-id", "crash-test-gateway"]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = LiveServer(f"http://127.0.0.1:{port}", process, log)
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # whatever is left of the group
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def server_group(tmp: Path, data_dir: Path, port: int) -> AbstractContextManager[LiveServer]:
+    """`tokenfleet serve` on a given port and store, so that a second one takes over."""
+    return live_server(
+        tmp, "--data-dir", str(data_dir), "--gateway-id", "crash-test-gateway", port=port
+    )
 
 
 def wait_for(client: anthropic.Anthropic, batch_id: str, done: int, timeout: float) -> Any:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,7 +21,13 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 from sqlalchemy import Engine, create_engine, text
-from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, free_port, process_is_gone
+from support.live_server import (
+    HTTP_TIMEOUT_S,
+    MODEL,
+    LiveServer,
+    live_server,
+    process_is_gone,
+)
 
 from tokenfleet.batch.store import engine_url
 
@@ -35,31 +39,14 @@ T = TypeVar("T")
 # -- helpers ---------------------------------------------------------------------------------
 
 
-@contextmanager
-def gateway(tmp: Path, *args: str, data_dir: Path | None = None) -> Iterator[LiveServer]:
-    """`tokenfleet serve` in a session of its own (gateway and engine), so that a test can
-    signal the gateway alone and the cleanup still reaches whatever the gateway left."""
-    port = free_port()
-    log = tmp / f"gateway-{port}.log"
-    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
-    argv += ["--kv-cache-memory", str(256 << 20), "--num-threads", "1"]
-    argv += ["--data-dir", str(data_dir or tmp / f"data-{port}"), *args]
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    server = LiveServer(f"http://127.0.0.1:{port}", process, log)
-    try:
-        server.wait_healthy()
-        yield server
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            with suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
-        with suppress(ProcessLookupError):  # the gateway if it hung, an engine it left
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def gateway(
+    tmp: Path, *args: str, data_dir: Path | None = None
+) -> AbstractContextManager[LiveServer]:
+    """`tokenfleet serve` with `args`, on `data_dir`'s store if given; in a process group of
+    its own, so that a test can signal the gateway alone and the cleanup still reaches
+    whatever the gateway left."""
+    store = () if data_dir is None else ("--data-dir", str(data_dir))
+    return live_server(tmp, *args, *store)
 
 
 def wait_until(check: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:

@@ -127,29 +127,44 @@ class LiveServer:
 
 @contextmanager
 def live_server(
-    tmp_dir: Path, *args: str, model_folder: Path | None = None
+    tmp_dir: Path,
+    *args: str,
+    model_folder: Path | None = None,
+    port: int | None = None,
+    kv_cache_memory: int = 256 << 20,
 ) -> Iterator[LiveServer]:
-    """Start `tokenfleet serve` with extra CLI args; stop it (SIGTERM, then SIGKILL) after."""
-    port = free_port()
-    log = tmp_dir / f"server-{port}.log"
+    """`tokenfleet serve` with extra CLI args on 127.0.0.1 (`port`, or a free one), awaited
+    until /health answers. The one way the tests start a server.
+
+    It runs in a process group of its own (gateway and engine), so that a test may signal
+    the gateway alone, the engine alone or the group. After the test: SIGTERM to the
+    gateway if it still runs, then SIGKILL to whatever is left of the group (an engine a
+    killed gateway left, a gateway that hung)."""
+    port = free_port() if port is None else port
+    log = tmp_dir / f"server-{port}-{time.monotonic_ns()}.log"
     argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--port", str(port)]
-    argv += ["--kv-cache-memory", str(256 << 20), "--num-threads", "1"]
+    argv += ["--kv-cache-memory", str(kv_cache_memory), "--num-threads", "1"]
     if model_folder is not None:
         argv += ["--model", str(model_folder)]
     if "--data-dir" not in args:  # a batch store of its own, unless a test shares one
         argv += ["--data-dir", str(tmp_dir / f"data-{port}")]
     with log.open("wb") as out:
         process = subprocess.Popen(
-            argv + list(args), stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy()
+            argv + list(args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+            start_new_session=True,
         )
     server = LiveServer(f"http://127.0.0.1:{port}", process, log)
     try:
         server.wait_healthy()
         yield server
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
