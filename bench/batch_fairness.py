@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--b-requests", type=int, default=10, help="key B's job: requests")
     add("--b-max-tokens", type=int, default=64, help="key B's requests: output tokens")
     add("--repeats", type=int, default=5, help="key B's job this many times, each way")
-    add("--max-num-seqs", type=int, default=256, help="engine sequence slots (= batch depth)")
+    add("--max-num-seqs", type=int, default=64, help="engine sequence slots (serve's default)")
     add("--finish-a", action="store_true", help="let A's job finish (else cancel it)")
     add("--timeout", type=float, default=600, help="seconds any one of B's jobs may take")
     add("--database-url", default=None, help="postgresql://... (default: SQLite)")

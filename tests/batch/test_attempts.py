@@ -23,7 +23,7 @@ from tokenfleet.batch import (
     QuotaExceeded,
     engine_url,
 )
-from tokenfleet.batch.schema import MIGRATIONS, batch_requests, schema_version
+from tokenfleet.batch.schema import MIGRATIONS, FileRow, batch_requests, schema_version
 
 T0 = 1_750_000_000.0
 DAY = 24 * 3600.0
@@ -186,6 +186,36 @@ def test_a_create_over_the_owners_queued_quota_stores_nothing(store: BatchStore)
             store.complete(leased.batch_id, leased.idx, leased.epoch, "succeeded", "{}", T0)
     assert store.create_batch(new_batch("msgbatch_3"), requests(5), 10).num_requests == 5
     assert store.queued_requests("alice") == 10
+
+
+def test_a_key_groups_owners_share_one_queued_quota(store: BatchStore) -> None:
+    group = ("alice", "carol")
+    store.create_batch(new_batch("msgbatch_1"), requests(6), 10, group)
+    store.create_batch(new_batch("msgbatch_2", owner="bob"), requests(10), 10)  # another group
+    with pytest.raises(QuotaExceeded) as refused:
+        store.create_batch(new_batch("msgbatch_3", owner="carol"), requests(5), 10, group)
+    assert (refused.value.queued, refused.value.quota) == (6, 10)
+    assert store.get_batch("msgbatch_3", "carol") is None
+    assert store.create_batch(new_batch("msgbatch_3", owner="carol"), requests(4), 10, group)
+    assert store.queued_requests("alice") + store.queued_requests("carol") == 10
+
+
+def test_a_file_over_the_stored_bytes_quota_is_not_recorded(store: BatchStore) -> None:
+    def file(file_id: str, owner: str, num_bytes: int) -> FileRow:
+        return FileRow(file_id, owner, "batch", "in.jsonl", num_bytes, T0, "processed", "")
+
+    group = ("alice", "carol")
+    store.create_file(file("file-1", "alice", 600), 1000, group)
+    store.create_file(file("file-2", "bob", 1000), 1000)  # bob's own quota
+    with pytest.raises(QuotaExceeded) as refused:
+        store.create_file(file("file-3", "carol", 401), 1000, group)
+    assert (refused.value.queued, refused.value.quota) == (600, 1000)
+    assert "over your quota of 1000" in str(refused.value)
+    assert store.get_file("file-3", "carol") is None
+    store.create_file(file("file-3", "carol", 400), 1000, group)  # exactly the quota
+    assert store.delete_file("file-1", "alice")
+    store.create_file(file("file-4", "alice", 600), 1000, group)  # room freed by the delete
+    assert [f.id for f in store.list_files("carol")[0]] == ["file-3"]
 
 
 # --- fair shares ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.fake("runner")]
 A_REQUESTS = 20_000
 B_REQUESTS = 10
 REPEATS = 3
-KEY_A, KEY_B = "key-a-large-job", "key-b-small-job"
+KEY_A, KEY_B, KEY_C = "key-a-large-job", "key-b-small-job", "key-c-of-as-group"
 
 
 def create_body(num: int, max_tokens: int, tag: str) -> Iterator[bytes]:
@@ -159,4 +159,54 @@ def test_a_create_over_the_keys_queued_quota_is_a_429_in_each_apis_format_fixed_
         )
         assert refused.status_code == 429, refused.text
         assert "quota of 5" in refused.json()["error"]["message"], refused.json()
+        http.post(f"/v1/messages/batches/{first['id']}/cancel", headers={"x-api-key": KEY_A})
+
+
+def test_a_key_groups_keys_share_its_quotas_fixed_runner(tmp_path: Path) -> None:
+    """Keys A and C are one group: C's create counts A's queued requests, and C's upload A's
+    stored bytes; key B, a group of its own, has its own quotas. Over a quota: a 429 in
+    each API's rate-limit format."""
+    keys = tmp_path / "keys"
+    keys.write_text(f"{KEY_A} team\n{KEY_C} team\n{KEY_B}\n")
+    args = ["--runner", "fixed", "--api-keys-file", str(keys), "--max-num-seqs", "1"]
+    args += ["--max-queued-batch-requests", "5", "--max-stored-file-bytes", "2000"]
+    with (
+        live_server(tmp_path, *args) as server,
+        httpx.Client(base_url=server.url, timeout=120) as http,
+    ):
+        first = create(http, KEY_A, 4, 2000, "first")  # still queued at the next creates
+        over = http.post(
+            "/v1/messages/batches",
+            content=create_body(2, 4, "over"),
+            headers={"x-api-key": KEY_C, "content-type": "application/json"},
+        )
+        assert over.status_code == 429, over.text
+        assert over.json()["error"]["type"] == "rate_limit_error"
+        assert "quota of 5" in over.json()["error"]["message"]
+        create(http, KEY_C, 1, 4, "fits")  # 4 + 1: within the group's quota
+        create(http, KEY_B, 5, 4, "b")  # another group's quota is its own
+
+        def upload(key: str, num_bytes: int) -> httpx.Response:
+            return http.post(
+                "/v1/files",
+                files={"file": ("in.jsonl", b"x" * num_bytes)},
+                data={"purpose": "batch"},
+                headers={"authorization": f"Bearer {key}"},
+            )
+
+        kept = upload(KEY_C, 1500)
+        assert kept.status_code == 200, kept.text
+        refused = upload(KEY_A, 600)
+        assert refused.status_code == 429, refused.text
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+        assert "over your quota of 2000" in error["message"]
+        assert upload(KEY_B, 600).status_code == 200  # another group's bytes
+        files = http.get("/v1/files", headers={"authorization": f"Bearer {KEY_A}"}).json()
+        assert files["data"] == []  # the refused upload left nothing behind
+        deleted = http.delete(
+            f"/v1/files/{kept.json()['id']}", headers={"authorization": f"Bearer {KEY_C}"}
+        )
+        assert deleted.status_code == 200, deleted.text
+        assert upload(KEY_A, 600).status_code == 200  # room freed by the group's delete
         http.post(f"/v1/messages/batches/{first['id']}/cancel", headers={"x-api-key": KEY_A})

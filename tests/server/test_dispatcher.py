@@ -154,3 +154,86 @@ def test_an_idle_dispatcher_only_reads_and_finds_another_gateways_batch_on_a_fak
     asyncio.run(go())
     results = list(store.iter_results("msgbatch_1"))
     assert sorted(json.loads(r.result)["message"]["echo"] for r in results) == [0, 1, 2]
+
+
+@pytest.mark.fake("engine")
+def test_a_batch_request_runs_in_its_owners_key_group_on_a_fake_engine(tmp_path: Any) -> None:
+    """The group the runner sees (the service's prefix-cache salt, as for the owner's sync
+    requests) is the batch owner's, for each of two owners' batches run side by side. A
+    real store; the requests run on a function in place of the engine."""
+    import asyncio
+    import json
+    import time
+
+    from tokenfleet.batch.schema import NewBatch, NewRequest
+    from tokenfleet.batch.store import BatchStore
+    from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
+    from tokenfleet.server.keys import CALLER_GROUP, Owners, owner_id
+
+    store = BatchStore(f"sqlite:///{tmp_path / 'batches.db'}")
+    owners = Owners([("key-a", "team-a"), ("key-b", "team-b")])
+    seen: dict[str, str | None] = {}
+
+    async def runner(params: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(0.01)  # the two owners' requests interleave
+        seen[params["id"]] = CALLER_GROUP.get()
+        return {}
+
+    async def go() -> None:
+        dispatcher = BatchDispatcher(
+            store,
+            DispatcherConfig(owner="g", poll_s=0.002),
+            {"/v1/messages": runner},
+            ResultFormats(),
+            group_of=owners.group,
+        )
+        now = time.time()
+        for key in ("key-a", "key-b"):
+            store.create_batch(
+                NewBatch(
+                    f"msgbatch_{key}", "anthropic", owner_id(key), "/v1/messages", now, now + 60
+                ),
+                (NewRequest(f"r{i}", json.dumps({"id": f"{key}/{i}"})) for i in range(4)),
+            )
+        await dispatcher.start()
+        try:
+            deadline = time.monotonic() + 60  # only catches a hang
+            while len(seen) < 8:
+                assert time.monotonic() < deadline, seen
+                await asyncio.sleep(0.005)
+        finally:
+            await dispatcher.stop()
+
+    asyncio.run(go())
+    assert seen == {f"key-{k}/{i}": f"team-{k}" for k in "ab" for i in range(4)}
+
+
+@pytest.mark.fake("engine")
+def test_stop_ends_the_loop_even_when_a_wake_comes_with_the_cancel_on_a_fake_engine(
+    tmp_path: Any,
+) -> None:
+    """A wake and stop()'s cancel in the same turn of the event loop (under load, a request
+    that just finished wakes the loop as the gateway stops): the loop must still end, or
+    stop() waits forever. A real store; no request runs."""
+    import asyncio
+
+    from tokenfleet.batch.store import BatchStore
+    from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
+
+    store = BatchStore(f"sqlite:///{tmp_path / 'batches.db'}")
+
+    async def go() -> None:
+        dispatcher = BatchDispatcher(store, DispatcherConfig(owner="g"), {}, ResultFormats())
+        await dispatcher.start()
+        loop_task = dispatcher._loop_task
+        assert loop_task is not None
+        for _ in range(20):  # idle: the loop is waiting for a wake or its poll
+            await asyncio.sleep(0.01)
+        dispatcher.wake()
+        loop_task.cancel()  # as stop() does first
+        done, _ = await asyncio.wait({loop_task}, timeout=10)
+        assert done == {loop_task}, "the loop went on after its cancel"
+        assert loop_task.cancelled()
+        await dispatcher.stop()
+
+    asyncio.run(go())

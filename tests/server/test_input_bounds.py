@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.api import USER, assert_anthropic_400, assert_openai_400, chat, cmpl
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,6 @@ BIG = 2**63 - 1024  # the largest int field value the server (and its schema) ta
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 MSGS = "/v1/messages"
-USER = [{"role": "user", "content": "Hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -40,30 +40,6 @@ def post(server: LiveServer, path: str, body: Any, **kw: Any) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     headers = {"content-type": "application/json", **kw.pop("headers", {})}
     return httpx.post(server.url + path, content=content, headers=headers, timeout=HTTP_TIMEOUT_S)
-
-
-def assert_openai_400(response: httpx.Response, param: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    assert error["type"] == "invalid_request_error"
-    assert error["param"] == param, error
-
-
-def assert_anthropic_400(response: httpx.Response, field: str) -> None:
-    assert response.status_code == 400, response.text
-    body = response.json()
-    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert field in body["error"]["message"], body
-    assert body["request_id"] == response.headers["request-id"]
-
-
-def chat(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": USER, "max_tokens": 1, **fields}
-
-
-def cmpl(**fields: Any) -> dict[str, Any]:
-    return {"model": MODEL, "prompt": "Hi", "max_tokens": 1, **fields}
 
 
 def msg(**fields: Any) -> dict[str, Any]:
@@ -328,3 +304,17 @@ def test_openapi_declares_every_routes_body_with_its_bounds(server: LiveServer) 
     )
     assert limit["schema"]["maximum"] == 100
     assert time.time() > 0
+
+
+@pytest.mark.fake("runner")
+def test_the_engine_requests_cap_is_the_operators_setting_fixed_runner(tmp_path: Path) -> None:
+    with live_server(tmp_path, "--runner", "fixed", "--max-engine-requests-per-request", "3") as s:
+        assert post(s, CHAT, chat(n=3)).status_code == 200
+        over = post(s, CHAT, chat(n=4))
+        assert_openai_400(over, "n")
+        assert (
+            "asks for 4 generations (prompts x n), more than the 3"
+            in over.json()["error"]["message"]
+        )
+        assert post(s, CMPL, cmpl(prompt=["a", "b", "c"])).status_code == 200
+        assert_openai_400(post(s, CMPL, cmpl(prompt=["a", "b"], n=2)), "prompt")

@@ -18,6 +18,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from support.api import raw_exchange
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, free_port, live_server
 
 from tokenfleet.server.limits import GroupLimits, RateLimited, RateLimiter, go_duration
@@ -78,26 +79,6 @@ def test_blank_or_unsendable_keys_are_refused_at_start_up(
     assert "Uvicorn running" not in done.stderr  # refused before anything started
 
 
-def _raw(server: LiveServer, request: bytes) -> tuple[int, bytes]:
-    """Send raw bytes; the reply's status and body (the server closes or answers once)."""
-    port = int(server.url.rsplit(":", 1)[1])
-    with socket.create_connection(("127.0.0.1", port), timeout=HTTP_TIMEOUT_S) as s:
-        s.sendall(request)
-        reply = b""
-        while b"\r\n\r\n" not in reply or len(reply.split(b"\r\n\r\n", 1)[1]) < _length(reply):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            reply += chunk
-    head, _, body = reply.partition(b"\r\n\r\n")
-    return int(head.split()[1]), body
-
-
-def _length(reply: bytes) -> int:
-    match = re.search(rb"content-length: (\d+)", reply.split(b"\r\n\r\n", 1)[0], re.I)
-    return int(match.group(1)) if match else 0
-
-
 def _post(path: str, headers: bytes, body: bytes = b"{}") -> bytes:
     return (
         b"POST "
@@ -131,9 +112,9 @@ OPENAI_401 = b'"type":"invalid_request_error","param":null,"code":"invalid_api_k
 def test_any_header_bytes_give_a_401_in_the_apis_format_fixed_runner(
     server: LiveServer, header: bytes
 ) -> None:
-    status, body = _raw(server, _post("/v1/messages", header))
+    status, body = raw_exchange(server, _post("/v1/messages", header))
     assert (status, ANTHROPIC_401 in body) == (401, True), body
-    status, body = _raw(server, _post("/v1/chat/completions", header))
+    status, body = raw_exchange(server, _post("/v1/chat/completions", header))
     assert (status, OPENAI_401 in body) == (401, True), body
 
 
@@ -142,14 +123,16 @@ def test_header_bytes_http_forbids_are_a_4xx_in_the_apis_format_fixed_runner(
 ) -> None:
     # A control character: the HTTP parser refuses the request before any route; still
     # the API's JSON error (400), never a 500 or a bare text reply.
-    status, body = _raw(server, _post("/v1/messages", b"x-api-key: a\x01b\r\n"))
+    status, body = raw_exchange(server, _post("/v1/messages", b"x-api-key: a\x01b\r\n"))
     assert status == 400
     assert body.startswith(b'{"type": "error", "error": {"type": "invalid_request_error"')
-    status, body = _raw(server, _post("/v1/chat/completions", b"x-api-key: a\x00b\r\n"))
+    status, body = raw_exchange(server, _post("/v1/chat/completions", b"x-api-key: a\x00b\r\n"))
     assert status == 400
     assert body.startswith(b'{"error": {"message": "malformed HTTP request')
     # Headers over --max-header-bytes (64 KiB): 431.
-    status, body = _raw(server, _post("/v1/messages", b"x-api-key: " + b"k" * 70_000 + b"\r\n"))
+    status, body = raw_exchange(
+        server, _post("/v1/messages", b"x-api-key: " + b"k" * 70_000 + b"\r\n")
+    )
     assert status == 431
     assert b"request line and headers are over 65536 bytes" in body
     assert httpx.get(server.url + "/health", timeout=HTTP_TIMEOUT_S).status_code == 200

@@ -7,6 +7,8 @@ turns of one role merged as the Anthropic API does; result URLs behind a reverse
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,3 +241,30 @@ def test_results_url_is_right_behind_a_reverse_proxy(
     # The official client follows it (through the proxy it would be the proxy's URL).
     results = list(claude.messages.batches.results(batch.id))
     assert [r.custom_id for r in results] == ["one"]
+
+
+@pytest.mark.fake("runner")
+def test_a_configured_public_base_url_wins_over_forwarded_headers_fixed_runner(
+    tmp_path: Path,
+) -> None:
+    public = "https://llm.example.com/tenant-7"
+    args = ("--runner", "fixed", "--public-base-url", public + "/")
+    with live_server(tmp_path, *args) as server:
+        claude = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+        batch = claude.messages.batches.create(
+            requests=[
+                {"custom_id": "one", "params": {"model": MODEL, "max_tokens": 1, "messages": USER}}
+            ]  # type: ignore[list-item]
+        )
+        path = f"/v1/messages/batches/{batch.id}"
+        for headers in ({}, {"x-forwarded-proto": "http", "x-forwarded-host": "other.example"}):
+            seen = httpx.get(server.url + path, headers=headers, timeout=HTTP_TIMEOUT_S).json()
+            assert seen["results_url"] == f"{public}{path}/results"
+
+
+def test_a_public_base_url_that_is_no_url_is_refused_at_start_up(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--public-base-url", "ftp://x/"]
+    # The timeout only catches a server that serves instead of refusing.
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2
+    assert "public_base_url must be an http(s) URL, got 'ftp://x/'" in done.stderr

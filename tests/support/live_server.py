@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -148,6 +150,11 @@ def live_server(
         argv += ["--model", str(model_folder)]
     if "--data-dir" not in args:  # a batch store of its own, unless a test shares one
         argv += ["--data-dir", str(tmp_dir / f"data-{port}")]
+    if "--ttft-target" not in args:
+        # Admission refuses what it predicts would start later than the target (2 s by
+        # default): a loaded machine predicts slower steps. Only the admission tests,
+        # which give their own target, are to see refusals.
+        argv += ["--ttft-target", "3600"]
     with log.open("wb") as out:
         process = subprocess.Popen(
             argv + list(args),
@@ -168,3 +175,12 @@ def live_server(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def admission_retry_after(message: str, target_s: float) -> set[str]:
+    """The retry-after an admission refusal may carry, from the predicted time to first
+    token its message states (to 2 decimals): max(1, ceil(predicted - target))."""
+    found = re.search(r"at least ([0-9.]+) s\)", message)
+    assert found is not None, message
+    predicted = float(found.group(1))
+    return {str(max(1, math.ceil(p - target_s))) for p in (predicted - 0.005, predicted + 0.005)}

@@ -7,7 +7,7 @@ transaction, so a batch is stored with all of its requests or not at all.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -54,14 +54,16 @@ class BatchesMixin(StoreBase):
         batch: NewBatch,
         requests: Iterable[NewRequest],
         max_queued: int | None = None,
+        quota_owners: Sequence[str] = (),
     ) -> BatchRow:
         """Stores the batch and its requests, all or nothing, in one transaction.
 
         Requests are numbered in order and inserted `INSERT_CHUNK` at a time, so the
         iterable is never held whole. If this owner already created a batch with the same
         idempotency key, that batch comes back and nothing is inserted. `max_queued`: the
-        owner's quota of requests not yet run (queued or leased, this batch's included);
-        over it, nothing is stored and QuotaExceeded is raised.
+        quota of requests not yet run (queued or leased, this batch's included) of the
+        owner, or of `quota_owners` together (a key group); over it, nothing is stored and
+        QuotaExceeded is raised.
         """
         if batch.idempotency_key is not None:
             existing = self._get_by_idempotency_key(batch.owner, batch.idempotency_key)
@@ -74,7 +76,7 @@ class BatchesMixin(StoreBase):
                     # Counted after the insert, in its transaction: racing creates of one
                     # owner cannot both slip under the quota (SQLite has one writer;
                     # PostgreSQL may let two through at worst, by one batch each).
-                    queued = self._queued_of(conn, batch.owner)
+                    queued = self._queued_of(conn, quota_owners or (batch.owner,))
                     if queued > max_queued:
                         raise QuotaExceeded(
                             f"this batch would bring your requests waiting to run to "
@@ -104,11 +106,11 @@ class BatchesMixin(StoreBase):
     def queued_requests(self, owner: str) -> int:
         """How many of this owner's requests are waiting to run (queued or leased)."""
         with self._reader.begin() as conn:
-            return self._queued_of(conn, owner)
+            return self._queued_of(conn, (owner,))
 
     @staticmethod
-    def _queued_of(conn: Connection, owner: str) -> int:
-        open_ids = select(_b.id).where(_b.owner == owner, _b.state == "in_progress")
+    def _queued_of(conn: Connection, owners: Sequence[str]) -> int:
+        open_ids = select(_b.id).where(_b.owner.in_(owners), _b.state == "in_progress")
         return int(
             conn.execute(
                 select(func.count()).where(

@@ -51,7 +51,8 @@ class BatchStoreError(TokenfleetError):
 
 
 class QuotaExceeded(BatchStoreError):
-    """A create that would put an owner over its quota of queued requests (HTTP 429)."""
+    """A create that would put an owner over a quota (HTTP 429): of requests waiting to
+    run, or of stored file bytes. `queued`: what the owners held before this create."""
 
     def __init__(self, message: str, *, queued: int, quota: int) -> None:
         super().__init__(message)
@@ -83,7 +84,7 @@ class StoreBase:
         self.is_sqlite = self.url.get_backend_name() == "sqlite"
         if self.is_sqlite:
             self.engine = create_engine(self.url)
-            _configure_sqlite(self.engine)
+            _configure_sqlite(self.engine, _busy_timeout_ms(self.url))
         else:
             self.engine = create_engine(self.url, pool_pre_ping=True)
         # For reads: the same pool, but on SQLite its transactions begin deferred, so that
@@ -143,11 +144,21 @@ def keyset(
     return or_(time_col > time, and_(time_col == time, id_col > id_))
 
 
-def _set_wal(cursor: Any) -> None:
+def _busy_timeout_ms(url: URL) -> int:
+    """How long a SQLite connection waits for another's lock: the URL's `timeout` in
+    seconds (pysqlite's own parameter, `sqlite:///path?timeout=5`) where given, else
+    SQLITE_BUSY_TIMEOUT_MS."""
+    timeout = url.query.get("timeout")
+    if timeout is None:
+        return SQLITE_BUSY_TIMEOUT_MS
+    return int(float(timeout if isinstance(timeout, str) else timeout[-1]) * 1000)
+
+
+def _set_wal(cursor: Any, busy_timeout_ms: int) -> None:
     """Switch the database to WAL. Several processes (or threads) opening a new file at
     once race for that first switch, and SQLite answers the losers "database is locked"
     at once, without waiting its busy timeout: retry within that timeout."""
-    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    deadline = time.monotonic() + busy_timeout_ms / 1000
     while True:
         try:
             cursor.execute("PRAGMA journal_mode = WAL")
@@ -158,7 +169,7 @@ def _set_wal(cursor: Any) -> None:
             time.sleep(0.01)
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _configure_sqlite(engine: Engine, busy_timeout_ms: int) -> None:
     """WAL and a busy timeout on every connection; BEGIN IMMEDIATE for each write.
 
     pysqlite's own transaction handling is switched off so that SQLAlchemy's begin
@@ -169,8 +180,8 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
-        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-        _set_wal(cursor)
+        cursor.execute(f"PRAGMA busy_timeout = {busy_timeout_ms}")
+        _set_wal(cursor, busy_timeout_ms)
         # FULL: a committed result survives a power loss too, not only a crash of the
         # process (NORMAL in WAL mode may lose the last transactions to a power loss).
         cursor.execute("PRAGMA synchronous = FULL")

@@ -5,11 +5,12 @@ Only the metadata lives here; the gateway stores each file's content itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, fields
 
-from sqlalchemy import delete, insert, select
+from sqlalchemy import delete, func, insert, select
 
-from tokenfleet.batch.database import StoreBase, keyset
+from tokenfleet.batch.database import QuotaExceeded, StoreBase, keyset
 from tokenfleet.batch.schema import FileRow, files
 from tokenfleet.errors import InvalidRequestError
 
@@ -19,10 +20,32 @@ _FILE_COLUMNS = [files.c[f.name] for f in fields(FileRow)]
 class FilesMixin(StoreBase):
     """The file methods of BatchStore."""
 
-    def create_file(self, file: FileRow) -> None:
-        """Records an uploaded file's metadata (the gateway has stored its content)."""
+    def create_file(
+        self, file: FileRow, max_bytes: int | None = None, quota_owners: Sequence[str] = ()
+    ) -> None:
+        """Records an uploaded file's metadata (the gateway has stored its content).
+
+        `max_bytes`: the quota of stored bytes of the owner, or of `quota_owners` together
+        (a key group), this file's included; over it, nothing is recorded and
+        QuotaExceeded is raised."""
         with self.engine.begin() as conn:
             conn.execute(insert(files).values(asdict(file)))
+            if max_bytes is not None:
+                owners = quota_owners or (file.owner,)
+                stored = int(
+                    conn.execute(
+                        select(func.coalesce(func.sum(files.c.bytes), 0)).where(
+                            files.c.owner.in_(owners)
+                        )
+                    ).scalar_one()
+                )
+                if stored > max_bytes:
+                    raise QuotaExceeded(
+                        f"this file would bring your stored files to {stored} bytes, over "
+                        f"your quota of {max_bytes}; delete files you no longer need",
+                        queued=stored - file.bytes,
+                        quota=max_bytes,
+                    )
 
     def get_file(self, file_id: str, owner: str) -> FileRow | None:
         """The file, or None when there is none or it is another owner's."""

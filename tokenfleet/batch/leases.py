@@ -128,6 +128,7 @@ class LeasesMixin(StoreBase):
                 attempts=claimed[batch_id, idx].attempts,
                 endpoint=targets[batch_id].endpoint,
                 api=targets[batch_id].api,
+                owner=targets[batch_id].owner,
             )
             for batch_id, idx in picked  # in lease order: RETURNING keeps none
         ]

@@ -258,6 +258,7 @@ class LeasedRequest:
     attempts: int
     endpoint: str
     api: Api
+    owner: str = ""  # the batch's owner (a digest of its creator's API key)
 
 
 @dataclass(frozen=True, slots=True)

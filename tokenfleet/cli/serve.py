@@ -84,6 +84,8 @@ def _serve(args: argparse.Namespace) -> int:
             offload_body_bytes=args.offload_body_bytes,
             check_threads=args.check_threads,
             max_body_bytes=args.max_body_bytes,
+            max_engine_requests_per_request=args.max_engine_requests_per_request,
+            public_base_url=args.public_base_url,
             ttft_target_s=args.ttft_target,
             engine_start_timeout_s=args.engine_start_timeout,
             engine_restart_backoff_s=args.engine_restart_backoff,
@@ -100,6 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
                 retention_s=args.batch_retention,
                 max_attempts=args.batch_max_attempts,
                 max_queued_per_key=args.max_queued_batch_requests,
+                max_file_bytes_per_key=args.max_stored_file_bytes,
             ),
         )
     except ValueError as exc:
@@ -248,6 +251,19 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
     add("--access-log", action="store_true", help="log a line per HTTP request (default off)")
     add("--max-body-bytes", type=int, default=8 * 2**20, help="request body limit (413 above)")
     add(
+        "--max-engine-requests-per-request",
+        type=int,
+        default=64,
+        help="generations one request or batch line may ask for, prompts x n (400 above; "
+        "default %(default)s)",
+    )
+    add(
+        "--public-base-url",
+        default=None,
+        help="the URL clients reach this server at (behind a proxy), for the URLs it hands "
+        "out; default: from X-Forwarded-Proto/-Host/-Prefix, else the request's own",
+    )
+    add(
         "--ttft-target", type=float, default=2.0, help="seconds; predicted TTFT above it is refused"
     )
     add(
@@ -379,6 +395,13 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         "--max-queued-batch-requests",
         type=int,
         default=1_000_000,
-        help="per API key: batch requests waiting to run at most (a create over it is a 429)",
+        help="per key group: batch requests waiting to run at most (a create over it is a 429)",
+    )
+    add(
+        "--max-stored-file-bytes",
+        type=int,
+        default=16 * 2**30,
+        help="per key group: bytes of uploaded files kept at most (an upload over it is a "
+        "429; delete files to make room; default 16 GiB)",
     )
     serve.set_defaults(func=_serve)

@@ -23,7 +23,9 @@ from tokenfleet.server.bounds import (
     MAX_STOP_SEQUENCES_ANTHROPIC,
     MAX_TOKENS_MAX,
     TOP_K_MAX,
+    clamp_temperature,
     clamp_top_k,
+    clamp_top_p,
 )
 from tokenfleet.server.errors import APIError, anthropic_error_body
 from tokenfleet.server.ids import random_hex
@@ -194,8 +196,8 @@ def prepare_message(service: GenerationService, body: MessagesRequest) -> Messag
     try:
         params = SamplingParams(
             max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
+            temperature=clamp_temperature(body.temperature),
+            top_p=clamp_top_p(body.top_p),
             top_k=clamp_top_k(body.top_k, service.vocab_size),
         )
     except InvalidRequestError as exc:

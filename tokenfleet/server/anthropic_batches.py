@@ -47,11 +47,11 @@ class CreateMessageBatch(BaseModel):
 
 def public_base_url(request: Request) -> str:
     """The URL this server is reached at, for the URLs it hands out: the configured public
-    base URL (ServeConfig.public_base_url, where the config has it), else what a reverse
-    proxy says (X-Forwarded-Proto, -Host, -Prefix), else the request's own."""
-    configured = getattr(request.app.state.config, "public_base_url", None)
+    base URL (ServeConfig.public_base_url), else what a reverse proxy says
+    (X-Forwarded-Proto, -Host, -Prefix), else the request's own."""
+    configured: str | None = request.app.state.config.public_base_url
     if configured:
-        return str(configured).rstrip("/")
+        return configured.rstrip("/")
     headers = request.headers
     proto = _first(headers.get("x-forwarded-proto")) or request.url.scheme
     host = _first(headers.get("x-forwarded-host")) or headers.get("host") or request.url.netloc

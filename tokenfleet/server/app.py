@@ -42,7 +42,7 @@ from tokenfleet.server.errors import (
     validation_error,
 )
 from tokenfleet.server.gate import Gate
-from tokenfleet.server.keys import CALLER_GROUP
+from tokenfleet.server.keys import CALLER_GROUP, Owners
 from tokenfleet.server.limits import RateLimited
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.offload import GatewayTokenizer
@@ -160,7 +160,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.state.gate = Gate(config, app.state.service, metrics)
         app.state.started = int(time.time())
         await client.start()
-        batches = await _start_batches(config.batch, app.state.service, client, metrics)
+        owners = Owners(config.key_groups)
+        batches = await _start_batches(config.batch, app.state.service, client, metrics, owners)
         app.state.batches = batches
         # Everything loaded so far lives as long as the server: keep the collector from
         # walking it again on every full collection (a pause in every stream).
@@ -286,7 +287,11 @@ def create_app(config: ServeConfig) -> FastAPI:
 
 
 async def _start_batches(
-    config: BatchConfig, service: GenerationService, client: AsyncEngineClient, metrics: Metrics
+    config: BatchConfig,
+    service: GenerationService,
+    client: AsyncEngineClient,
+    metrics: Metrics,
+    owners: Owners,
 ) -> BatchState:
     config.data_dir.mkdir(parents=True, exist_ok=True)
     store = BatchStore(config.url)
@@ -307,9 +312,10 @@ async def _start_batches(
         engine_load=lambda: _batch_load(client),
         counted=lambda outcome, n: metrics.batch_results.labels(outcome=outcome).inc(n),
         on_finished=ResultFiles(store).register_soon,  # OpenAI batches' output/error files
+        group_of=owners.group,
     )
     await dispatcher.start()
-    return BatchState(config, store, dispatcher)
+    return BatchState(config, store, dispatcher, owners=owners)
 
 
 def _store_is_up(store: BatchStore) -> bool:

@@ -4,7 +4,6 @@ caller's identity, and bounded-memory reading of large bodies."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -13,11 +12,12 @@ from typing import IO, Any, TypeVar, cast
 
 from fastapi import Request
 
-from tokenfleet.batch.schema import BatchRow, NewBatch, NewRequest, ResultRow
+from tokenfleet.batch.schema import BatchRow, FileRow, NewBatch, NewRequest, ResultRow
 from tokenfleet.batch.store import BatchStore, QuotaExceeded
 from tokenfleet.server.body import limited_chunks
 from tokenfleet.server.dispatcher import BatchDispatcher
 from tokenfleet.server.errors import APIError
+from tokenfleet.server.keys import Owners, owner_id
 from tokenfleet.server.settings import BatchConfig
 
 T = TypeVar("T")
@@ -36,11 +36,13 @@ class BatchState:
         store: BatchStore,
         dispatcher: BatchDispatcher,
         clock: Callable[[], float] = time.time,
+        owners: Owners | None = None,
     ) -> None:
         self.config = config
-        # The routes' view of the store: creates count against the caller's quota of
-        # queued requests (a 429 over it).
-        self.store: BatchStore = cast(BatchStore, QuotaStore(store, config.max_queued_per_key))
+        # The routes' view of the store: creates count against the caller's key group's
+        # quotas of queued requests and stored file bytes (a 429 over either).
+        quota = QuotaStore(store, config, owners or Owners(()))
+        self.store: BatchStore = cast(BatchStore, quota)
         self.dispatcher = dispatcher
         self.clock = clock
         self._routes_db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-routes")
@@ -64,33 +66,40 @@ class BatchState:
 
 
 class QuotaStore:
-    """A BatchStore whose create_batch() holds each owner (API key) to `max_queued`
-    requests waiting to run, refusing a create over it with a 429 in the API's format."""
+    """A BatchStore whose create_batch() and create_file() hold each key group to the
+    config's quotas (requests waiting to run, stored file bytes), refusing a create over
+    one with a 429 in the API's format."""
 
-    def __init__(self, store: BatchStore, max_queued: int) -> None:
+    def __init__(self, store: BatchStore, config: BatchConfig, owners: Owners) -> None:
         self._store = store
-        self._max_queued = max_queued
+        self._config = config
+        self._owners = owners
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    def create_batch(
-        self, batch: NewBatch, requests: Iterable[NewRequest], max_queued: int | None = None
-    ) -> BatchRow:
-        quota = self._max_queued if max_queued is None else max_queued
+    def create_batch(self, batch: NewBatch, requests: Iterable[NewRequest]) -> BatchRow:
+        quota = self._config.max_queued_per_key
         try:
-            return self._store.create_batch(batch, requests, quota)
+            return self._store.create_batch(
+                batch, requests, quota, self._owners.members(batch.owner)
+            )
         except QuotaExceeded as exc:
-            raise APIError(429, "overloaded", str(exc), retry_after_s=QUOTA_RETRY_AFTER_S) from exc
+            raise APIError(429, "rate_limit", str(exc), retry_after_s=QUOTA_RETRY_AFTER_S) from exc
+
+    def create_file(self, file: FileRow) -> None:
+        quota = self._config.max_file_bytes_per_key
+        try:
+            self._store.create_file(file, quota, self._owners.members(file.owner))
+        except QuotaExceeded as exc:
+            raise APIError(429, "rate_limit", str(exc)) from exc
 
 
 def owner_of(request: Request) -> str:
     """Who owns what this call creates or may see: a digest of its API key ("" when the
     server runs without keys)."""
     key = request.scope.get("tokenfleet.api_key")
-    if not key:
-        return ""
-    return hashlib.sha256(str(key).encode()).hexdigest()[:32]
+    return owner_id(str(key) if key else None)
 
 
 async def spool_body(request: Request, limit: int) -> IO[bytes]:

@@ -5,6 +5,7 @@ the request models (anthropic_api, openai_api) and the checks below use them."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from tokenfleet.server.errors import APIError
@@ -31,18 +32,10 @@ MAX_PROMPTS = 2048  # completions: prompts in one request (before the engine-req
 MAX_JSON_DEPTH = 32  # nesting of any request body (metadata, unknown fields, ...)
 MAX_METADATA_USER_ID = 256  # Anthropic's metadata.user_id
 MAX_N = 16
-# Engine requests one API request (or one batch line) may make: prompts x n. A setting
-# (ServeConfig.max_engine_requests_per_request) when the config has it, else this.
-DEFAULT_MAX_ENGINE_REQUESTS = 64
 
 MAX_CURSOR_CHARS = 128  # list routes' after/before ids (the store's ids are far shorter)
 CURSOR_PATTERN = r"^[A-Za-z0-9_-]+$"  # what the store's ids are made of
 MAX_CUSTOM_ID_CHARS = 512  # OpenAI batches: any string, within this
-
-
-def max_engine_requests(config: object) -> int:
-    value = getattr(config, "max_engine_requests_per_request", None)
-    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_ENGINE_REQUESTS
 
 
 def check_engine_requests(count: int, limit: int, param: str) -> None:
@@ -84,6 +77,29 @@ def check_json_depth(data: object, param: str | None = None) -> None:
             f"{where}JSON nested deeper than {MAX_JSON_DEPTH} levels",
             param=param,
         )
+
+
+# A positive temperature under this divides the float32 logits past what they hold (1e-40
+# is subnormal in float32, 1e-300 is 0): the request would fail in the sampler with a 500.
+# Raised to it, it samples as the caller meant: the largest logit, bar ties within ~1e-5.
+MIN_TEMPERATURE = 1e-6
+
+
+def clamp_temperature(temperature: float) -> float:
+    """A positive temperature at least MIN_TEMPERATURE (0 stays greedy)."""
+    return max(temperature, MIN_TEMPERATURE) if temperature > 0 else temperature
+
+
+# The engine process runs with subnormal floats flushed to zero (a kernel library built
+# with -ffast-math sets the CPU's flag as it loads): a subnormal top_p (5e-324, which the
+# API's (0, 1] takes) reads as 0 there and the engine refuses the request, after a
+# stream's 200. Raised to the smallest normal float, it keeps the same most likely token.
+MIN_TOP_P = sys.float_info.min
+
+
+def clamp_top_p(top_p: float) -> float:
+    """top_p at least MIN_TOP_P: a number the engine reads as the caller sent it."""
+    return max(top_p, MIN_TOP_P)
 
 
 def clamp_top_k(top_k: int, vocab: int) -> int:

@@ -35,6 +35,7 @@ from tokenfleet.batch.store import BatchStore
 from tokenfleet.engine.client import EngineDeadError
 from tokenfleet.fleet.leasing import lease_room
 from tokenfleet.server.errors import APIError
+from tokenfleet.server.keys import CALLER_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class BatchDispatcher:
         counted: Callable[[str, int], None] = lambda outcome, n: None,
         clock: Callable[[], float] = time.time,
         on_finished: Callable[[list[str]], None] = lambda batch_ids: None,
+        group_of: Callable[[str], str | None] = lambda owner: None,
     ) -> None:
         self.store = store
         self.config = config
@@ -87,6 +89,8 @@ class BatchDispatcher:
         self.clock = clock
         # Told the ids of batches that just ended (here or in a cancel route); must not block.
         self.on_finished = on_finished
+        # A batch owner's key group: its requests' prefix-cache salt, as its sync requests'.
+        self.group_of = group_of
         # One thread: the store's calls from this gateway never contend with each other.
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
         self._tasks: dict[tuple[str, int], asyncio.Task[None]] = {}
@@ -208,8 +212,12 @@ class BatchDispatcher:
             # With requests running, look again soon: the engine may take more as it runs
             # them (the room follows its running count); idle, once a second.
             wait_s = self.config.poll_s if self._tasks else self.config.poll_s * 20
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns instead of raising
+            # when the task is canceled just as the wake comes, and stop() would wait on a
+            # loop that never ends.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait_s)
+                async with asyncio.timeout(wait_s):
+                    await self._wake.wait()
 
     async def _maintain(self, now: float) -> None:
         store = self.store
@@ -239,6 +247,7 @@ class BatchDispatcher:
 
     async def _execute(self, request: LeasedRequest) -> None:
         key = (request.batch_id, request.idx)
+        CALLER_GROUP.set(self.group_of(request.owner))  # this task's own context
         try:
             runner = self.runners[request.endpoint]
             try:
@@ -269,8 +278,12 @@ class BatchDispatcher:
         except asyncio.CancelledError:
             pass
         finally:
-            self._tasks.pop(key, None)
-            self._leases.pop(key, None)
+            # Only this task's own entries: if this gateway leased the request again (its
+            # lease here had expired), they are the newer task's.
+            if self._tasks.get(key) is asyncio.current_task():
+                del self._tasks[key]
+                if self._leases.get(key) == request.epoch:
+                    del self._leases[key]
             self._wake.set()
 
     async def _release(self, request: LeasedRequest, exc: APIError) -> None:

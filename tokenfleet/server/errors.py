@@ -27,6 +27,8 @@ _KINDS: dict[str, tuple[str, str, str | None]] = {
     "not_found": ("not_found_error", "invalid_request_error", "model_not_found"),
     "request_too_large": ("request_too_large", "invalid_request_error", "request_too_large"),
     "overloaded": ("overloaded_error", "server_error", "overloaded"),
+    # a 429 for a quota (queued batch requests, stored file bytes): retry later or free some
+    "rate_limit": ("rate_limit_error", "requests", "rate_limit_exceeded"),
     "engine_down": ("api_error", "server_error", "engine_unavailable"),
     "internal": ("api_error", "server_error", None),
 }

@@ -1,8 +1,10 @@
 """API keys and their groups: reading them at start-up (refusing blank or unprintable
 keys), and finding a request's key among them from any header bytes.
 
-A group is the unit of rate limits and of prefix-cache sharing: `--api-keys-file` lines
-are `KEY GROUP` (a key alone is its own group). The operator key opens /metrics and the
+A group is the unit of rate limits, of batch quotas and of prefix-cache sharing:
+`--api-keys-file` lines are `KEY GROUP` (a key alone is its own group). What a key
+creates (batches, files) is its own: it is owned by a digest of the key, and only the key
+sees it. The operator key opens /metrics and the
 admin routes only, and may not be a caller's key.
 """
 
@@ -22,6 +24,32 @@ CALLER_GROUP: ContextVar[str | None] = ContextVar("tokenfleet_caller_group", def
 
 # The group of every request when no keys are set: limits still apply, to everyone at once.
 ANONYMOUS_GROUP = "anonymous"
+
+
+def owner_id(key: str | None) -> str:
+    """Who owns what a key creates: a digest of the key ("" without keys)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:32] if key else ""
+
+
+class Owners:
+    """The key groups seen from the batch store, which knows owners (key digests) only:
+    an owner's group (its batch requests' prefix-cache salt) and the owners of its group
+    (whose batches and files count against one quota)."""
+
+    def __init__(self, key_groups: Iterable[tuple[str, str]]) -> None:
+        self._group = {owner_id(key): group for key, group in key_groups}
+        self._members: dict[str, list[str]] = {}
+        for owner, group in self._group.items():
+            self._members.setdefault(group, []).append(owner)
+
+    def group(self, owner: str) -> str | None:
+        """The owner's key group; None without keys (as CALLER_GROUP)."""
+        return self._group.get(owner)
+
+    def members(self, owner: str) -> tuple[str, ...]:
+        """The owners whose work counts against this owner's quotas, itself included."""
+        group = self._group.get(owner)
+        return (owner,) if group is None else tuple(self._members[group])
 
 
 class KeyRefused(ValueError):

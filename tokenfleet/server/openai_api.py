@@ -36,7 +36,9 @@ from tokenfleet.server.bounds import (
     SEED_MIN,
     TOP_K_MAX,
     check_seed,
+    clamp_temperature,
     clamp_top_k,
+    clamp_top_p,
 )
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
@@ -195,8 +197,8 @@ def sampling_params(
     try:
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
+            temperature=clamp_temperature(body.temperature),
+            top_p=clamp_top_p(body.top_p),
             top_k=body.top_k,
             seed=None if body.seed is None else body.seed + index,
             ignore_eos=body.ignore_eos,

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.engine_api import TokenLogprobs
-from tokenfleet.server.bounds import check_engine_requests, max_engine_requests
+from tokenfleet.server.bounds import check_engine_requests
 from tokenfleet.server.errors import APIError, openai_error_body
 from tokenfleet.server.openai_api import (
     FINISH_REASONS,
@@ -65,7 +65,7 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
     for i, m in enumerate(body.messages):
         refuse_unsupported(m, OPENAI_MESSAGE, f"messages.{i}.")
     body.check_bounds(service.vocab_size)
-    check_engine_requests(body.n, max_engine_requests(service.config), "n")
+    check_engine_requests(body.n, service.config.max_engine_requests_per_request, "n")
     messages = []
     for m in body.messages:
         content = (

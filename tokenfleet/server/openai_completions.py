@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.engine_api import TokenLogprobs
-from tokenfleet.server.bounds import check_engine_requests, max_engine_requests
+from tokenfleet.server.bounds import check_engine_requests
 from tokenfleet.server.errors import APIError, openai_error_body
 from tokenfleet.server.openai_api import (
     FINISH_REASONS,
@@ -81,7 +81,9 @@ def prepare_completion(service: GenerationService, body: CompletionRequest) -> C
         sent = [raw]  # type: ignore[list-item]
     else:
         sent = list(raw)  # type: ignore[arg-type]
-    check_engine_requests(len(sent) * body.n, max_engine_requests(service.config), "prompt")
+    check_engine_requests(
+        len(sent) * body.n, service.config.max_engine_requests_per_request, "prompt"
+    )
     prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in sent]
     if not prompts or any(not p for p in prompts):
         raise APIError(400, "invalid_request", "prompt must not be empty", param="prompt")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,8 +36,10 @@ class BatchConfig:
     retention_s: float = 29 * 24 * 3600.0
     lease_s: float = 120.0
     max_attempts: int = 3  # failures of a request itself (its engine died running it)
-    # Per API key (batch owner): requests of its batches waiting to run (queued or leased).
+    # Quotas per key group (a key given alone is its own group): requests of its batches
+    # waiting to run (queued or leased), and bytes of its stored files.
     max_queued_per_key: int = 1_000_000
+    max_file_bytes_per_key: int = 16 * 2**30
 
     def __post_init__(self) -> None:
         if self.max_batch_requests < 1 or self.max_batch_bytes < 1024:
@@ -45,10 +48,8 @@ class BatchConfig:
             raise ValueError("batch expiry, retention and lease times must be positive")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {self.max_attempts}")
-        if self.max_queued_per_key < 1:
-            raise ValueError(
-                f"max_queued_per_key must be at least 1, got {self.max_queued_per_key}"
-            )
+        if self.max_queued_per_key < 1 or self.max_file_bytes_per_key < 1:
+            raise ValueError("the queued-request and stored-file quotas must be positive")
 
     @property
     def files_dir(self) -> Path:
@@ -83,6 +84,11 @@ class ServeConfig:
     offload_body_bytes: int = 16 * 1024
     check_threads: int = 2
     max_body_bytes: int = 8 * 2**20
+    # Engine requests one API request or batch line may become (prompts x n).
+    max_engine_requests_per_request: int = 64
+    # The URL clients reach this server at, for the URLs it hands out (batch results);
+    # None: from X-Forwarded-Proto/-Host/-Prefix, else the request's own.
+    public_base_url: str | None = None
     # Admission control: refuse an interactive request whose predicted time to first
     # token exceeds this (seconds), instead of queueing it without bound.
     ttft_target_s: float = 2.0
@@ -108,6 +114,14 @@ class ServeConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_engine_requests_per_request < 1:
+            raise ValueError("max_engine_requests_per_request must be at least 1")
+        if self.public_base_url is not None and not re.fullmatch(
+            r"https?://[^/?#\s]+(/[^?#\s]*)?", self.public_base_url
+        ):
+            raise ValueError(
+                f"public_base_url must be an http(s) URL, got {self.public_base_url!r}"
+            )
         if self.operator_key is not None and self.operator_key in self.api_keys:
             raise ValueError("--operator-key must differ from every caller's API key")
         if self.max_connections < 1 or self.keep_alive_s <= 0:
