@@ -16,11 +16,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
 
-from tokenfleet.server.errors import APIError, is_anthropic_request, request_id
+from tokenfleet.server.errors import (
+    APIError,
+    anthropic_error_body,
+    is_anthropic_request,
+    request_id,
+    request_id_headers,
+)
 
 
 @dataclass(frozen=True)
@@ -191,9 +198,11 @@ def go_duration(seconds: float) -> str:
 def rate_limited_response(request: Request, error: RateLimited) -> JSONResponse:
     """A 429 in the API's format: Anthropic's rate_limit_error, OpenAI's
     rate_limit_exceeded (type `requests` or `tokens`, as OpenAI sends)."""
-    headers = {"request-id": request_id(request), "retry-after": str(error.retry_after_s)}
+    rid = request_id(request)
+    headers = request_id_headers(rid) | {"retry-after": str(error.retry_after_s)}
+    body: dict[str, Any]
     if is_anthropic_request(request):
-        body = {"type": "error", "error": {"type": "rate_limit_error", "message": error.message}}
+        body = anthropic_error_body("rate_limit", error.message, rid)
     else:
         body = {
             "error": {
