@@ -191,3 +191,21 @@ def test_long_contexts_split_across_threads_match_contiguous_attention(
         assert not torch.equal(outs[1], outs[2])
     else:  # the portable path (no AVX-512 on this CPU): one pass at any thread count
         assert torch.equal(outs[1], outs[2])
+
+
+def test_loading_the_kernels_leaves_subnormal_floats_alone_in_the_process() -> None:
+    """A library linked with -ffast-math sets the CPU's flush-to-zero flags for the whole
+    process as it loads; ours are compiled with it but linked without. Checked in a fresh
+    process (this one may have loaded them already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, tokenfleet.kernels as k\n"
+        "assert k.paged_attention_lib() is not None and k.elementwise_lib() is not None\n"
+        "x = 5e-324\n"
+        "assert 0 < x * 1.0, 'subnormal doubles flushed'\n"
+        "assert (torch.tensor([1e-40]) * 1.0).item() > 0, 'subnormal floats flushed'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -256,6 +256,10 @@ def test_a_configured_public_base_url_wins_over_forwarded_headers_fixed_runner(
                 {"custom_id": "one", "params": {"model": MODEL, "max_tokens": 1, "messages": USER}}
             ]  # type: ignore[list-item]
         )
+        deadline = time.monotonic() + 120  # only catches a hang
+        while claude.messages.batches.retrieve(batch.id).processing_status != "ended":
+            assert time.monotonic() < deadline
+            time.sleep(0.1)  # results_url is null until the batch has ended
         path = f"/v1/messages/batches/{batch.id}"
         for headers in ({}, {"x-forwarded-proto": "http", "x-forwarded-host": "other.example"}):
             seen = httpx.get(server.url + path, headers=headers, timeout=HTTP_TIMEOUT_S).json()

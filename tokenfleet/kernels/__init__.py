@@ -30,6 +30,10 @@ _HEADER = _SOURCE.with_name("paged_attention_impl.h")  # included once per cache
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
+# How a library is built, in its cache key: a change here builds it again.
+_RECIPE = b"compile with the flags, then link without them"
+
+
 def _cpu_signature() -> str:
     # -march=native code is only valid on the CPU it was built for.
     try:
@@ -49,6 +53,7 @@ def _build(compiler: str, source: Path, flags: list[str], includes: tuple[Path, 
         + b"".join(path.read_bytes() for path in includes)
         + " ".join(flags).encode()
         + _cpu_signature().encode()
+        + _RECIPE
     ).hexdigest()[:16]
     out_dir = envs.cache_dir() / "kernels"
     target = out_dir / f"{source.stem}-{digest}.so"
@@ -57,12 +62,17 @@ def _build(compiler: str, source: Path, flags: list[str], includes: tuple[Path, 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *flags, str(source), "-o", str(built), "-lm"],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
+        obj = Path(tmp) / f"{source.stem}.o"
+        # Compiled with `flags`, linked without them: linked with -ffast-math, gcc adds
+        # crtfastmath.o, which sets the CPU's flush-to-zero flags for the whole process as
+        # the library loads (subnormal floats read as zero everywhere, torch included).
+        compile_flags = [f for f in flags if f != "-shared"]
+        link_flags = ["-shared", *(f for f in flags if f == "-fopenmp")]
+        for argv in (
+            [compiler, *compile_flags, "-c", str(source), "-o", str(obj)],
+            [compiler, *link_flags, str(obj), "-o", str(built), "-lm"],
+        ):
+            subprocess.run(argv, check=True, capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders both end with a whole file
     logger.info("built %s", target)
     return target

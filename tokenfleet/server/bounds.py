@@ -90,10 +90,10 @@ def clamp_temperature(temperature: float) -> float:
     return max(temperature, MIN_TEMPERATURE) if temperature > 0 else temperature
 
 
-# The engine process runs with subnormal floats flushed to zero (a kernel library built
-# with -ffast-math sets the CPU's flag as it loads): a subnormal top_p (5e-324, which the
-# API's (0, 1] takes) reads as 0 there and the engine refuses the request, after a
-# stream's 200. Raised to the smallest normal float, it keeps the same most likely token.
+# A subnormal top_p (5e-324, which the API's (0, 1] takes) is a value the engine's float
+# code need not keep (a process that flushes subnormals to zero reads it as 0 and would
+# refuse the request after a stream's 200). Raised to the smallest normal float, it keeps
+# the same most likely token.
 MIN_TOP_P = sys.float_info.min
 
 

@@ -16,6 +16,9 @@ It keeps just enough requests in flight to keep the engine's batch queue full (t
 sequence slots), so that a cancel or an interactive burst finds little to undo. Leases are
 renewed while their requests run; a gateway that dies stops renewing, and its leases come
 back to the queue when they expire (or at once when it restarts under the same id).
+
+Over 400 lines: leasing, running, group commit, release and shutdown share the in-flight
+table and its invariants (one task and one lease epoch per request), so they stay together.
 """
 
 from __future__ import annotations
