@@ -41,8 +41,8 @@ from typing import Any
 import anthropic
 import pytest
 from sqlalchemy import Engine, text
-from support.chaos import Gateways, StoreFaults, postgres_store, sqlite_store, wait_for
-from support.live_server import MODEL
+from support.chaos import Gateways, StoreFaults, postgres_store, sqlite_store
+from support.live_server import MODEL, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.fake("runner")]
 
@@ -165,7 +165,8 @@ def test_chaos_fixed_runner_sigkills_and_store_faults_leave_exactly_one_result_e
                     return None
                 return counts if gateways.batch_running() > 0 else None
 
-            before = wait_for(due, created + KILL_WINDOW_S, f"{point} done, for a {kind} kill")
+            left_s = created + KILL_WINDOW_S - time.monotonic()
+            before = wait_until(due, left_s, f"{point} done, for a {kind} kill", every=0.02)
             if kind == "engine":
                 gateways.kill_engine(engine_pid)
             else:
@@ -186,10 +187,11 @@ def test_chaos_fixed_runner_sigkills_and_store_faults_leave_exactly_one_result_e
         assert all(at <= KILL_WINDOW_S for _, at, _ in kills), kills
         assert orphaned > 0, "no gateway kill left a lease behind"
 
-        wait_for(
+        wait_until(
             lambda: batch_ended(store.reader, batch_id),
-            created + BATCH_DEADLINE_S,
+            created + BATCH_DEADLINE_S - time.monotonic(),
             "the batch ended",
+            every=0.02,
         )
         faults.stop()
         print(

@@ -18,7 +18,7 @@ import anthropic
 import httpx
 import pytest
 from sqlalchemy import create_engine
-from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
+from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server, metric_value
 
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.server.app import _store_is_up
@@ -38,13 +38,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         yield s
 
 
-def _gauge(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
-
-
 def test_a_small_request_is_served_while_a_large_body_is_tokenized_fixed_runner(
     server: LiveServer,
 ) -> None:
@@ -57,7 +50,7 @@ def test_a_small_request_is_served_while_a_large_body_is_tokenized_fixed_runner(
 
             async def checking() -> float:
                 reply = await http.get("/metrics")
-                return _gauge(reply.text, "tokenfleet_body_checks_running")
+                return metric_value(reply.text, "tokenfleet_body_checks_running")
 
             body = {
                 "model": MODEL,
@@ -149,7 +142,7 @@ def test_a_stream_whose_reader_stopped_is_aborted_and_its_blocks_freed_fixed_run
     """A client that reads the reply's head and then nothing: once the server's send buffer
     is full for --stream-stall-timeout, the stream is aborted (its engine requests gone,
     their KV blocks free) long before its 16 x 4,000 tokens are generated."""
-    before = _gauge(_metrics(server), "tokenfleet_streams_stalled_total")
+    before = metric_value(_metrics(server), "tokenfleet_streams_stalled_total")
     body = httpx.Request(
         "POST",
         "http://t/v1/chat/completions",
@@ -168,18 +161,18 @@ def test_a_stream_whose_reader_stopped_is_aborted_and_its_blocks_freed_fixed_run
         assert s.recv(12) == b"HTTP/1.1 200"
         text = _metrics(server)
         deadline = time.monotonic() + 120  # only catches a stream never aborted
-        while _gauge(text, "tokenfleet_streams_stalled_total") == before:
+        while metric_value(text, "tokenfleet_streams_stalled_total") == before:
             assert time.monotonic() < deadline, "the stalled stream was not aborted"
             text = _metrics(server)
         # Aborted: nothing of it runs in the engine, its blocks are free, and it stopped
         # short of its 64,000 tokens.
         deadline = time.monotonic() + 60
-        while _gauge(text, "tokenfleet_num_requests_running") or _gauge(
+        while metric_value(text, "tokenfleet_num_requests_running") or metric_value(
             text, "tokenfleet_kv_blocks_used"
         ):
             assert time.monotonic() < deadline, text
             text = _metrics(server)
-        assert _gauge(text, "tokenfleet_generation_tokens_total") < 64_000
+        assert metric_value(text, "tokenfleet_generation_tokens_total") < 64_000
         # The server closed the connection: what it had sent, then EOF.
         while chunk := s.recv(65536):
             assert len(chunk) > 0

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -27,13 +26,12 @@ from support.live_server import (
     LiveServer,
     live_server,
     process_is_gone,
+    wait_until,
 )
 
 from tokenfleet.batch.store import engine_url
 
 pytestmark = pytest.mark.slow
-
-T = TypeVar("T")
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -47,18 +45,6 @@ def gateway(
     whatever the gateway left."""
     store = () if data_dir is None else ("--data-dir", str(data_dir))
     return live_server(tmp, *args, *store)
-
-
-def wait_until(check: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
-    """The first truthy value of `check()`, polled until `timeout` seconds have passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not within {timeout}s: {what} (last: {value!r})")
-        time.sleep(every)
 
 
 def health(server: LiveServer) -> int:

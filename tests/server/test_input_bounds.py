@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support.api import USER, assert_anthropic_400, assert_openai_400, chat, cmpl
+from support.api import USER, assert_anthropic_400, assert_openai_400, chat, cmpl, nested
+from support.api import post_json as post
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
 
 pytestmark = pytest.mark.slow
@@ -36,21 +37,8 @@ def server(model_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         assert s.engine_pid() == s.first_engine_pid  # type: ignore[attr-defined]
 
 
-def post(server: LiveServer, path: str, body: Any, **kw: Any) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"content-type": "application/json", **kw.pop("headers", {})}
-    return httpx.post(server.url + path, content=content, headers=headers, timeout=HTTP_TIMEOUT_S)
-
-
 def msg(**fields: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": USER, "max_tokens": 1, **fields}
-
-
-def nested(depth: int) -> Any:
-    value: Any = "x"
-    for _ in range(depth):
-        value = {"a": value}
-    return value
 
 
 # (route, body, param named) for the OpenAI routes

@@ -43,8 +43,17 @@ import anthropic
 import httpx
 import openai
 import pytest
-from support.api import USER, assert_anthropic_400, assert_openai_400, chat, cmpl, raw_exchange
-from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
+from support.api import (
+    USER,
+    assert_anthropic_400,
+    assert_openai_400,
+    chat,
+    cmpl,
+    nested,
+    post_json,
+    raw_exchange,
+)
+from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server, metric_value
 
 pytestmark = pytest.mark.slow
 
@@ -187,16 +196,7 @@ class Run:
 
 
 def post(server: LiveServer, path: str, key: str, body: Any) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"content-type": "application/json", "x-api-key": key}
-    return httpx.post(server.url + path, content=content, headers=headers, timeout=HTTP_TIMEOUT_S)
-
-
-def nested(depth: int) -> Any:
-    value: Any = "x"
-    for _ in range(depth):
-        value = {"a": value}
-    return value
+    return post_json(server, path, body, {"x-api-key": key})
 
 
 OPENAI_OUT_OF_RANGE = [
@@ -263,7 +263,7 @@ def large_body(server: LiveServer) -> Seen:
             checking: list[float] = []
             while not large.done():
                 metrics = await http.get("/metrics", headers=OPERATOR)
-                if _value(metrics.text, "tokenfleet_body_checks_running") == 1:
+                if metric_value(metrics.text, "tokenfleet_body_checks_running") == 1:
                     checking.append(time.monotonic())
                 await asyncio.sleep(0.05)
             refused = await large
@@ -274,13 +274,6 @@ def large_body(server: LiveServer) -> Seen:
         return Seen("large_body", sent, checking[0], (checking[0], checking[-1]))
 
     return asyncio.run(run())
-
-
-def _value(metrics: str, name: str) -> float:
-    for line in metrics.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
 
 
 def half_sent(server: LiveServer) -> Seen:

@@ -3,6 +3,7 @@ share, and a raw HTTP exchange for bytes an HTTP client would not send."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from typing import Any
@@ -12,6 +13,23 @@ import httpx
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer
 
 USER = [{"role": "user", "content": "Hi"}]
+
+
+def post_json(
+    server: LiveServer, path: str, body: Any, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    """POST `body` (JSON-encoded unless already bytes) with `headers` over the JSON type."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    sent = {"content-type": "application/json", **(headers or {})}
+    return httpx.post(server.url + path, content=content, headers=sent, timeout=HTTP_TIMEOUT_S)
+
+
+def nested(depth: int) -> Any:
+    """A JSON value nested `depth` objects deep."""
+    value: Any = "x"
+    for _ in range(depth):
+        value = {"a": value}
+    return value
 
 
 def chat(**fields: Any) -> dict[str, Any]:

@@ -15,24 +15,15 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 from sqlalchemy import Engine, create_engine, make_url, text
 
-from support.live_server import HTTP_TIMEOUT_S, LiveServer, live_server, wait_gone
+from support.live_server import HTTP_TIMEOUT_S, LiveServer, live_server, wait_gone, wait_until
 from tokenfleet.batch.store import engine_url
 
 # What the gateways' store loops log when a store call failed and is retried.
 RETRY_LOG = ("ERROR tokenfleet.server.dispatcher:", "; retrying")
-
-
-def wait_for(check: Callable[[], Any], deadline: float, what: str) -> Any:
-    """The first truthy value of `check()`, polled until time.monotonic() `deadline`."""
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"not in time: {what}"
-        time.sleep(0.02)
-    return value
 
 
 # -- the store and its faults -------------------------------------------------------------
@@ -176,7 +167,7 @@ class Gateways:
             pid = int(health.json()["engine_pid"])
             return None if pid in self._killed else pid
 
-        return int(wait_for(new_engine, time.monotonic() + 60, "a new engine"))
+        return int(wait_until(new_engine, 60, "a new engine", every=0.02))
 
     def batch_running(self) -> float:
         """Batch requests running in the engine, by the gateway's /metrics."""

@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 MODEL = "smollm2-135m-instruct"
 # For the tests' own HTTP calls to a live server: long enough that only a hang fails (a
@@ -31,6 +33,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def metric_value(metrics: str, name: str) -> float:
+    """The value of an unlabelled metric line in a /metrics text."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def wait_until(check: Callable[[], T], timeout: float, what: str, every: float = 0.05) -> T:
+    """The first truthy value of `check()`, polled until `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not within {timeout:.0f}s: {what} (last: {value!r})")
+        time.sleep(every)
 
 
 def process_is_gone(pid: int) -> bool:
@@ -77,10 +99,7 @@ class LiveServer:
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
         """The value of an unlabelled metric line in /metrics."""
         text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=HTTP_TIMEOUT_S).text
-        for line in text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        raise KeyError(name)
+        return metric_value(text, name)
 
     def wait_healthy(self, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
