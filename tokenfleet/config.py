@@ -138,8 +138,11 @@ class EngineConfig:
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     # "model" runs the model; "fixed" answers a fixed token without running it (plumbing
-    # tests at a scale the real model cannot reach in CI).
+    # tests at a scale the real model cannot reach in CI), each step taking
+    # `fixed_step_s` plus `fixed_prefill_s_per_token` per prefilled token (a sleep).
     runner: str = "model"
+    fixed_step_s: float = 0.0
+    fixed_prefill_s_per_token: float = 0.0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tpot_target_s: float = 0.06
@@ -178,7 +181,43 @@ class EngineConfig:
             raise ValueError("linear_backend 'onednn' runs float32 on the CPU only")
         if self.runner not in ("model", "fixed"):
             raise ValueError(f"runner must be 'model' or 'fixed', got {self.runner!r}")
+        if min(self.fixed_step_s, self.fixed_prefill_s_per_token) < 0:
+            raise ValueError("the fixed runner's step times must be at least 0")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Replicas on Ray (cluster/): `replicas` engine replicas on a local Ray instance, or on
+    the cluster at `ray_address` (started by an operator with `ray start`).
+
+    A replica beats every `beat_interval_s` from a thread of its own; a gateway that hears
+    nothing from it for `replica_timeout_s` takes it for dead and moves its requests; Ray
+    restarts it up to `max_restarts` times. A request moved more than `max_moves` times
+    ends with an error. A replica aborts the requests of a gateway silent for
+    `gateway_timeout_s`. `threads_per_replica`: torch threads of each CPU replica (None:
+    the node's cores shared among `replicas`).
+    """
+
+    replicas: int = 1
+    ray_address: str | None = None
+    max_restarts: int = 3
+    replica_timeout_s: float = 1.5
+    beat_interval_s: float = 0.2
+    gateway_timeout_s: float = 5.0
+    max_moves: int = 3
+    move_wait_s: float = 30.0
+    threads_per_replica: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas}")
+        if self.max_restarts < 0 or self.max_moves < 0:
+            raise ValueError("max_restarts and max_moves must be at least 0")
+        if not 0 < self.beat_interval_s < self.replica_timeout_s:
+            raise ValueError("the beat interval must be positive and under the replica timeout")
+        if self.gateway_timeout_s <= 0 or self.move_wait_s <= 0:
+            raise ValueError("gateway_timeout_s and move_wait_s must be positive")

@@ -22,6 +22,15 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # Prefix-cache isolation (as vLLM's cache_salt): requests share cached blocks only with
     # requests of the same salt (the gateway sends the caller's key group); None: no salt.
     cache_salt: str | None = None
+    # A resumed stream (the fleet re-submits a request whose replica died): the tokens an
+    # earlier attempt of this request already generated and the caller already received.
+    # The engine computes them after the prompt like prompt tokens and samples on from
+    # there, with them counted as outputs: in max_tokens (still the original total), in
+    # the penalties, and in a seeded request's draw positions, so that the stream goes on
+    # as if it never moved. They are not checked for stops nor sent again; logprobs are
+    # for the new tokens alone, and a resume may not ask for prompt_logprobs (they came
+    # with the first attempt). [] for a first attempt.
+    output_token_ids: list[int] = []
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

@@ -199,7 +199,9 @@ class StepPlanner:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_cached
+                # Prompt tokens alone: a resumed request's hits may run on over the
+                # outputs of its earlier attempt, which usage does not count as prompt.
+                request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             # At the end of its class: running stays sorted by priority.
             at = bisect.bisect_right(self.running, priority, key=lambda r: r.priority)
             self.running.insert(at, request)

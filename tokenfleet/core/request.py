@@ -6,6 +6,7 @@ Not a wire message: what crosses process boundaries lives in `outputs.py`.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokenfleet.core.sampling_params import SamplingParams
@@ -54,7 +55,9 @@ class Request:
     `num_computed_tokens` counts tokens whose K/V are in the cache (or are being written
     by the step just scheduled). A step gives a request `num_tokens - num_computed_tokens`
     tokens at most: the whole prompt (prefill), part of it (chunked prefill), or the one
-    token sampled last (decode) are all that one rule.
+    token sampled last (decode) are all that one rule. A resumed request
+    (EngineCoreRequest.output_token_ids) has outputs from the start: its prefill runs
+    past num_prompt_tokens, over them, up to the first token it samples.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class Request:
         priority: int = 0,
         deadline: float | None = None,
         cache_salt: str | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
         self.req_id = req_id
         # Salts the first block's hash: prefix-cache hits only among requests of one salt.
@@ -79,7 +83,9 @@ class Request:
         self.priority = priority
         self.deadline = deadline
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # A resumed request starts with its earlier attempt's outputs: computed like the
+        # prompt (a prefill over both), counted as outputs.
+        self.all_token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None

@@ -143,16 +143,21 @@ class Scheduler(StepPlanner):
             if num_new is None:
                 continue
             start = request.num_computed_tokens
+            params = request.sampling_params
+            sample = start + num_new == request.num_tokens
+            # The sampler needs the outputs so far for the penalties, and their count for
+            # a seeded draw (keyed by the output position, earlier attempts' included).
+            seeded = params.seed is not None and not params.greedy
             scheduled.append(
                 ScheduledRequest(
                     req_id=request.req_id,
                     token_ids=request.all_token_ids[start : start + num_new],
                     start_pos=start,
                     block_ids=self.kv.get_block_ids(request.req_id),
-                    sample=start + num_new == request.num_tokens,
-                    sampling_params=request.sampling_params,
+                    sample=sample,
+                    sampling_params=params,
                     output_token_ids=(
-                        request.output_token_ids if request.sampling_params.penalized else ()
+                        request.output_token_ids if sample and (params.penalized or seeded) else ()
                     ),
                     prompt_targets=(
                         request.all_token_ids[

@@ -14,10 +14,12 @@ class ScheduledRequest:
     The runner feeds `token_ids` at positions start_pos, start_pos+1, ...; their K/V go to
     the slots that `block_ids` give those positions. When `sample` is set, this step
     reaches the request's last token and the runner samples the next one.
-    `output_token_ids`: the tokens it has generated so far, given only when its sampling
-    params need them (penalties), else empty. `prompt_targets`: for a chunk of a prompt
-    whose logprobs are wanted, the prompt tokens at positions start_pos + 1, ... that its
-    rows predict (up to the prompt's end), else empty.
+    `output_token_ids`: the tokens it has generated so far (an earlier attempt's
+    included), given only on the chunk that samples and only when its sampling needs them
+    (penalties; a seeded draw's position is their count), else empty.
+    `prompt_targets`: for a chunk of a prompt whose logprobs are wanted, the prompt
+    tokens at positions start_pos + 1, ... that its rows predict (up to the prompt's end),
+    else empty.
     """
 
     req_id: str

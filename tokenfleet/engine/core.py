@@ -62,7 +62,13 @@ class EngineCore:
         if config.runner == "fixed":
             # The token "a": text of its own, never EOS.
             token_id = Tokenizer(self.model_folder).encode(" a")[-1]
-            self.runner = FixedTokenRunner(model_config, token_id, FIXED_NUM_BLOCKS)
+            self.runner = FixedTokenRunner(
+                model_config,
+                token_id,
+                FIXED_NUM_BLOCKS,
+                step_s=config.fixed_step_s,
+                prefill_s_per_token=config.fixed_prefill_s_per_token,
+            )
         else:
             self.runner = ModelRunner(
                 self.model_folder,
@@ -150,7 +156,17 @@ class EngineCore:
                 f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})",
                 param="logit_bias",
             )
-        max_tokens = request.sampling_params.max_tokens
+        params = request.sampling_params
+        if params.seed is not None and not -(2**63) <= params.seed < 2**64:
+            # The sampler keys its draws by a 64-bit seed (sampler.seeded_uniform).
+            raise InvalidRequestError(
+                f"seed {params.seed} is outside [-2**63, 2**64)", param="seed"
+            )
+        earlier = request.output_token_ids
+        if earlier:
+            self._check_resume(request)
+        max_tokens = params.max_tokens
+        # A resume's earlier outputs are part of max_tokens: prompt + earlier + remaining.
         if len(prompt) + max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) is "
@@ -174,11 +190,37 @@ class EngineCore:
                 priority=0 if fcfs else request.priority,
                 deadline=request.deadline,
                 cache_salt=request.cache_salt,
+                output_token_ids=earlier,
             )
         )
         if fcfs and not interactive:
             self._fcfs_batch.add(request.req_id)
         self._taken.append((request.req_id, "interactive" if interactive else "batch"))
+
+    def _check_resume(self, request: EngineCoreRequest) -> None:
+        """A resumed request (output_token_ids): its earlier outputs are token ids, leave
+        max_tokens something to generate, and it asks for no prompt logprobs."""
+        earlier = request.output_token_ids
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in earlier if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"output_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
+                param="output_token_ids",
+            )
+        max_tokens = request.sampling_params.max_tokens
+        if len(earlier) >= max_tokens:
+            raise InvalidRequestError(
+                f"the earlier attempt's {len(earlier)} output tokens already reach "
+                f"max_tokens ({max_tokens}): a resume has nothing left to generate",
+                param="max_tokens",
+            )
+        if request.sampling_params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs cannot be asked for by a resumed request (one with "
+                "output_token_ids): they came with its first attempt",
+                param="prompt_logprobs",
+            )
 
     def abort(self, req_ids: list[str]) -> None:
         self._pending.extend(self.scheduler.abort_requests(req_ids))

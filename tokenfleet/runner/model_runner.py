@@ -1,7 +1,8 @@
 """Runs one scheduled step on the device: inputs, forward pass, sampling.
 
-Owns the weights, the paged KV tensors (sized from a memory budget) and the per-request
-random generators; knows nothing of queues or policy.
+Owns the weights, the paged KV tensors (sized from a memory budget) and the random
+generators of unseeded requests (a seeded request's draws are keyed by seed and output
+position: sampler.seeded_uniform); knows nothing of queues or policy.
 """
 
 from __future__ import annotations
@@ -111,11 +112,13 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
-    def _generator(self, req_id: str, seed: int | None) -> torch.Generator:
+    def _generator(self, req_id: str) -> torch.Generator:
+        """An unseeded request's own generator. On the host, whatever the device: it makes
+        one number a row, which the sampler takes as a Python float."""
         gen = self._generators.get(req_id)
         if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed if seed is not None else self._seed_rng.getrandbits(63))
+            gen = torch.Generator()
+            gen.manual_seed(self._seed_rng.getrandbits(63))
             self._generators[req_id] = gen
         return gen
 
@@ -163,13 +166,11 @@ class ModelRunner:
         logits = logits[:num_sampling]
         sampling = [s for s in batch if s.sample]
         params = [s.sampling_params for s in sampling]
-        generators: list[torch.Generator | None] = []
-        for s, p in zip(sampling, params, strict=True):
-            try:
-                generators.append(None if p.greedy else self._generator(s.req_id, p.seed))
-            except Exception as exc:  # a seed torch cannot take, say: this request's alone
-                failed[s.req_id] = f"seeding its generator failed: {type(exc).__name__}: {exc}"
-                generators.append(None)
+        # Seeded rows draw by (seed, output position): no generator of their own.
+        generators = [
+            None if p.greedy or p.seed is not None else self._generator(s.req_id)
+            for s, p in zip(sampling, params, strict=True)
+        ]
         # Rows of requests that failed already are sampled greedily and dropped below.
         params = [
             SamplingParams(temperature=0) if s.req_id in failed else p

@@ -1,9 +1,12 @@
 """Next-token choice per request: greedy, or temperature with top-k and top-p, seeded.
 
-Each request draws from its own torch.Generator, so a seeded request gives the same
-tokens whatever it is batched with. Presence and frequency penalties and logit biases
-change the logits first (greedy too). Logprobs are of the model's raw distribution (before
-penalties, biases, temperature and truncation), as the OpenAI API reports them.
+A random row takes one uniform draw. A seeded request's draw for its output token k
+(counted from 0 over all its outputs, an earlier attempt's included) is a pure function
+of (seed, k), seeded_uniform: the same whatever it is batched with, after a preemption's
+recompute, and on another replica that resumes the stream. An unseeded request draws from
+its own torch.Generator. Presence and frequency penalties and logit biases change the
+logits first (greedy too). Logprobs are of the model's raw distribution (before penalties,
+biases, temperature and truncation), as the OpenAI API reports them.
 """
 
 from __future__ import annotations
@@ -30,6 +33,32 @@ def _truncate(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment: 2**64 / the golden ratio
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finaliser (Stafford's variant 13 of MurmurHash3's fmix64): a bijection
+    of 64-bit integers in which each input bit flips each output bit with probability
+    ~1/2."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """The uniform draw on [0, 1) of a seeded request's output token `position`.
+
+    SplitMix64 read as a counter: output `position` of the SplitMix64 stream whose state
+    starts at mix64(seed mod 2**64), i.e. mix64(mix64(seed) + (position + 1) * gamma),
+    its top 53 bits as a double. Pure Python integers, so exact and the same on every
+    device and torch version (~1 us). The seed is mixed before it is stepped, so that
+    nearby seeds (the gateway gives choice i of n seed + i) start unrelated streams.
+    """
+    state = (_mix64(seed & _MASK64) + (position + 1) * _GOLDEN_GAMMA) & _MASK64
+    return (_mix64(state) >> 11) * 2.0**-53
 
 
 CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
@@ -115,8 +144,8 @@ def sample(
     generators: list[torch.Generator | None],
     outputs: Sequence[Sequence[int]] = (),
 ) -> list[int]:
-    """The next token of each row. `outputs`: each row's generated tokens so far (needed
-    only for rows with penalties). Raises RowFailure if a row cannot be sampled."""
+    """The next token of each row (sample_rows' arguments). Raises RowFailure if a row
+    cannot be sampled."""
     tokens, failed = sample_rows(logits, params, generators, outputs)
     if failed:
         i, message = next(iter(failed.items()))
@@ -131,22 +160,33 @@ def sample_rows(
     outputs: Sequence[Sequence[int]] = (),
 ) -> tuple[list[int | None], dict[int, str]]:
     """The next token of each row, with a row's failure kept to that row: (tokens, None
-    where the row failed; {row: what failed}). The rows are sampled together; should
-    that raise, each row is sampled again alone, with the random number it drew already
-    (a seeded row's tokens stay what they would have been), and only the rows that raise
-    alone fail. A row whose probabilities cannot be drawn from (not finite) fails too."""
+    where the row failed; {row: what failed}).
+
+    `outputs[i]`: the tokens row i's request has generated so far, an earlier attempt's
+    included (needed for rows with penalties, and for seeded random rows: their draw is
+    seeded_uniform(seed, len(outputs[i]))). `generators[i]`: an unseeded random row's
+    generator (unused for greedy and seeded rows).
+
+    The rows are sampled together; should that raise, each row is sampled again alone,
+    with the random number it drew already (a seeded row's tokens stay what they would
+    have been), and only the rows that raise alone fail. A row whose draw raises, or
+    whose probabilities cannot be drawn from (not finite), fails too."""
     failed: dict[int, str] = {}
-    draws: list[torch.Tensor | None] = [None] * len(params)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            try:
-                draws[i] = torch.rand(1, generator=generators[i], dtype=torch.float64)
-            except Exception as exc:
-                failed[i] = f"drawing its random number failed: {_describe(exc)}"
-    rows = [i for i in range(len(params)) if i not in failed]
-    tokens: list[int | None] = [None] * len(params)
     if not outputs:
         outputs = [()] * len(params)
+    draws: list[float | None] = [None] * len(params)
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        try:
+            if p.seed is not None:
+                draws[i] = seeded_uniform(p.seed, len(outputs[i]))
+            else:
+                draws[i] = torch.rand(1, generator=generators[i], dtype=torch.float64).item()
+        except Exception as exc:
+            failed[i] = f"drawing its random number failed: {_describe(exc)}"
+    rows = [i for i in range(len(params)) if i not in failed]
+    tokens: list[int | None] = [None] * len(params)
     try:
         part = logits if len(rows) == len(params) else logits[rows]
         drawn, ok = _sample_batch(
@@ -182,7 +222,7 @@ def _describe(exc: BaseException) -> str:
 def _sample_batch(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    draws: list[torch.Tensor | None],
+    draws: list[float | None],
     outputs: Sequence[Sequence[int]],
 ) -> tuple[list[int], list[bool]]:
     """Each row's token, and whether its probabilities could be drawn from (greedy rows
@@ -204,7 +244,7 @@ def _sample_batch(
     top_p = torch.tensor([params[i].top_p for i in random_rows], device=sub.device)
     if bool((top_k > 0).any()) or bool((top_p < 1).any()):
         sub = _truncate(sub, top_k, top_p)
-    row_draws = torch.cat([draws[i] for i in random_rows])  # type: ignore[misc]
+    row_draws = torch.tensor([draws[i] for i in random_rows], dtype=torch.float64)
     drawn_t, ok_t = _inverse_cdf_checked(sub.softmax(dim=-1), row_draws.to(sub.device))
     drawn, ok = drawn_t.tolist(), ok_t.tolist()
     if everyone:
