@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # policies and the simulator that reuses them, the batch store, the clients and the model's
 # files on disk.
 MYPY_PACKAGES := -p tokenfleet.core -p tokenfleet.policy -p tokenfleet.fleet -p tokenfleet.sim \
-	-p tokenfleet.batch -p tokenfleet.client -p tokenfleet.loadgen -p tokenfleet.checkpoint \
+	-p tokenfleet.batch -p tokenfleet.client -p tokenfleet.cluster -p tokenfleet.loadgen -p tokenfleet.checkpoint \
 	-m tokenfleet.config -m tokenfleet.errors -m tokenfleet.envs
 
 .PHONY: install test lint prepare serve clean

@@ -211,6 +211,8 @@ class FleetConfig:
     max_moves: int = 3
     move_wait_s: float = 30.0
     threads_per_replica: int | None = None
+    # fleet/router.py's policy: "prefix" (affinity and load), "least_loaded", "round_robin".
+    router: str = "prefix"
 
     def __post_init__(self) -> None:
         if self.replicas < 1:

@@ -32,6 +32,14 @@ ENVIRONMENT_VARIABLES: dict[str, tuple[str, str]] = {
         "~/.local/share/tokenfleet",
         "the batch store (SQLite) and uploaded files",
     ),
+    "TOKENFLEET_REPLICAS": (
+        "",
+        "engine replicas on Ray (`serve --replicas`); unset: one local engine process, no Ray",
+    ),
+    "TOKENFLEET_RAY_ADDRESS": (
+        "",
+        "a Ray cluster to place replicas on (`serve --ray-address`, from `ray start --head`)",
+    ),
     "TOKENFLEET_DATABASE_URL": (
         "",
         "the batch store: postgresql://... to share one among gateways (default: SQLite "

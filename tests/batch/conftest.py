@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
 
 import pytest
+from support.postgres import store_url
 
 from tokenfleet.batch.store import BatchStore
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'batches.db'}"
-    postgres_url: str = request.getfixturevalue("postgres_url")
-    return postgres_url
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    return store_url(request, tmp_path)
 
 
 @pytest.fixture

@@ -161,7 +161,7 @@ def test_a_version_1_database_migrates_with_no_failures_counted(url: str) -> Non
         )
     engine.dispose()
     with BatchStore(url) as store:
-        assert SCHEMA_VERSION == 2
+        assert SCHEMA_VERSION == 3
         assert row(store, "msgbatch_1").failures == 0
         [leased] = store.lease("gateway-a", 1, 60, T0)
         assert (leased.attempts, leased.epoch) == (3, 3)

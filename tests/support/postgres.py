@@ -85,3 +85,12 @@ def postgres_url(postgres_server_url: str) -> Iterator[str]:
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A batch store's URL for a test parametrized over "sqlite" and "postgresql": a
+    SQLite file in `tmp_path`, or the PostgreSQL schema of the `postgres_url` fixture."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'batches.db'}"
+    postgres_url: str = request.getfixturevalue("postgres_url")
+    return postgres_url

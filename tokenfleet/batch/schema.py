@@ -140,6 +140,31 @@ files = Table(
     Index("ix_files_list", "owner", "purpose", "created_at", "id"),
 )
 
+# Interactive rate limits shared by the gateways of one store (limits_store.py): each key
+# group's token buckets, refilled continuously, and each gateway's count of the group's
+# requests running on it, counted only while its lease (`expires_at`) is current.
+rate_buckets = Table(
+    "rate_buckets",
+    metadata,
+    Column("key_group", Text, nullable=False),
+    Column("kind", Text, nullable=False),  # requests | tokens
+    Column("level", Double, nullable=False),
+    Column("at", Double, nullable=False),  # when `level` was last refilled
+    Column("granted", Integer, nullable=False),  # whether the last take was granted
+    PrimaryKeyConstraint("key_group", "kind"),
+)
+
+rate_slots = Table(
+    "rate_slots",
+    metadata,
+    Column("key_group", Text, nullable=False),
+    Column("gateway", Text, nullable=False),
+    Column("running", Integer, nullable=False),
+    Column("expires_at", Double, nullable=False),
+    PrimaryKeyConstraint("key_group", "gateway"),
+    Index("ix_rate_slots_gateway", "gateway"),
+)
+
 
 def _create_v1_tables(conn: Connection) -> None:
     # Migrations are frozen history: this creates the tables as they stood at version 1
@@ -186,8 +211,18 @@ def _add_failures(conn: Connection) -> None:
     conn.execute(text("ALTER TABLE batch_requests ADD COLUMN failures INTEGER NOT NULL DEFAULT 0"))
 
 
+def _create_rate_tables(conn: Connection) -> None:
+    # Version 3: interactive rate limits shared by the gateways of one store. (As frozen
+    # history: when these tables change, give this migration its own copy of them.)
+    metadata.create_all(conn, tables=[rate_buckets, rate_slots])
+
+
 # MIGRATIONS[n] takes the schema from version n to n + 1; append, never edit or reorder.
-MIGRATIONS: tuple[Callable[[Connection], None], ...] = (_create_v1_tables, _add_failures)
+MIGRATIONS: tuple[Callable[[Connection], None], ...] = (
+    _create_v1_tables,
+    _add_failures,
+    _create_rate_tables,
+)
 SCHEMA_VERSION = len(MIGRATIONS)
 
 

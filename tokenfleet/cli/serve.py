@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenfleet import envs
 from tokenfleet.cli.common import env_help, path
-from tokenfleet.config import KV_CACHE_DTYPES
+from tokenfleet.config import KV_CACHE_DTYPES, FleetConfig
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -57,6 +57,8 @@ def _serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             linear_backend=args.linear_backend,
             runner=args.runner,
+            fixed_step_s=args.fixed_step_time,
+            fixed_prefill_s_per_token=args.fixed_prefill_time,
             cache=cache,
             scheduler=scheduler,
             tpot_target_s=args.tpot_target,
@@ -77,6 +79,7 @@ def _serve(args: argparse.Namespace) -> int:
                 requests_per_minute=args.requests_per_minute_per_group,
                 tokens_per_minute=args.tokens_per_minute_per_group,
             ),
+            shared_limits=args.shared_limits,
             read_deadlines=ReadDeadlines(
                 header_timeout_s=args.header_timeout,
                 body_timeout_s=args.body_timeout,
@@ -95,6 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
             engine_restart_backoff_s=args.engine_restart_backoff,
             engine_restart_backoff_max_s=args.engine_restart_backoff_max,
             engine=engine,
+            fleet=_fleet(args),
             batch=BatchConfig(
                 data_dir=args.data_dir,
                 database_url=args.database_url or None,
@@ -140,6 +144,20 @@ def _serve(args: argparse.Namespace) -> int:
         server.run()
     # As uvicorn.run: a server that never started (the port taken, the lifespan failed).
     return 0 if server.started else 3
+
+
+def _fleet(args: argparse.Namespace) -> FleetConfig | None:
+    if args.replicas is None and args.ray_address is None:
+        return None
+    return FleetConfig(
+        replicas=args.replicas or 1,
+        ray_address=args.ray_address,
+        max_restarts=args.replica_restarts,
+        replica_timeout_s=args.replica_timeout,
+        max_moves=args.max_moves,
+        threads_per_replica=args.num_threads,
+        router=args.router.replace("-", "_"),
+    )
 
 
 def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -199,6 +217,16 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         help="tokens a minute per key group, each engine request charged its prompt plus "
         "max_tokens when it starts (OpenAI's accounting; n choices: n requests); 429 beyond "
         "(0: no limit) (default %(default)s)",
+    )
+    add(
+        "--shared-limits",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the three limits above in the batch store, so that the gateways sharing "
+        "it (--database-url) allow each key group its limits once in all, not once each: a "
+        "short store transaction per request and an UPDATE per engine request; while the "
+        "store does not answer, each gateway holds the limits on its own (default: on when "
+        "--database-url is PostgreSQL, off for SQLite, which is one gateway's)",
     )
     add(
         "--header-timeout",
@@ -363,10 +391,62 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         help="seconds a batch's results are kept after it was created (default 29 days)",
     )
     add(
+        "--replicas",
+        type=int,
+        default=int(envs.get("TOKENFLEET_REPLICAS") or 0) or None,
+        help="engine replicas as Ray actors, on a local Ray instance (every socket on "
+        "127.0.0.1) or on --ray-address; unset: one local engine process, no Ray",
+    )
+    add(
+        "--ray-address",
+        default=envs.get("TOKENFLEET_RAY_ADDRESS") or None,
+        help="join this Ray cluster (`ray start --head` gives it) and place the replicas on "
+        "its nodes; gateways that join one cluster share its replicas",
+    )
+    add(
+        "--replica-restarts",
+        type=int,
+        default=3,
+        help="times Ray restarts a replica that died (default %(default)s)",
+    )
+    add(
+        "--replica-timeout",
+        type=float,
+        default=1.5,
+        help="seconds without a beat from a replica before its requests move to another "
+        "(default %(default)s)",
+    )
+    add(
+        "--router",
+        choices=("prefix", "least-loaded", "round-robin"),
+        default="prefix",
+        help="how interactive requests pick a replica: prefix-cache affinity and load "
+        "(default), or the two baselines",
+    )
+    add(
+        "--max-moves",
+        type=int,
+        default=3,
+        help="times a request may move to another replica before it ends with an error "
+        "(default %(default)s)",
+    )
+    add(
         "--runner",
         choices=("model", "fixed"),
         default="model",
         help="fixed: answer a fixed token without running the model (plumbing tests only)",
+    )
+    add(
+        "--fixed-step-time",
+        type=float,
+        default=0.0,
+        help="with --runner fixed: seconds each step takes (a sleep, as a forward would)",
+    )
+    add(
+        "--fixed-prefill-time",
+        type=float,
+        default=0.0,
+        help="with --runner fixed: seconds more a step takes per prefilled token",
     )
     add("--data-dir", type=path, default=envs.data_dir(), help="batch store and files")
     add(

@@ -94,6 +94,14 @@ class SchedulerStats(msgspec.Struct):
     # seconds and counted, by class, since the engine started.
     ttft_sum_s_by_class: dict[str, float] = {}
     ttft_count_by_class: dict[str, int] = {}
+    # The queue as the fleet's router and admission price it (fleet/ttft.py), so that every
+    # gateway judges a replica by the same state: each interactive prompt not yet fully
+    # computed, its tokens left (running ones first, then waiting, oldest first; at most
+    # the first 64), and the running requests past their prompt and the KV tokens they
+    # read, by class.
+    interactive_prefill_left: list[int] = []
+    num_decoding_by_class: dict[str, int] = {}
+    decode_kv_tokens_by_class: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct):

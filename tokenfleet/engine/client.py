@@ -164,6 +164,38 @@ class AsyncEngineClient:
             and time.monotonic() - self.last_heartbeat < self.heartbeat_timeout_s
         )
 
+    def describe(self) -> list[dict[str, object]]:
+        """The one replica's row of GET /admin/fleet (the fleet's fields; a local engine
+        process has no node but this one, and its incarnation is its start's number)."""
+        stats = self.stats
+        kv_usage = None
+        if stats is not None and stats.num_kv_blocks_total:
+            kv_usage = round(stats.num_kv_blocks_used / stats.num_kv_blocks_total, 4)
+        alive = self._proc is not None and self._proc.poll() is None
+        state = "ready" if self.is_healthy() else ("starting" if alive else "dead")
+        return [
+            {
+                "id": 0,
+                "node": "local",
+                "pid": self.pid,
+                "state": state,
+                "incarnation": self._generation,
+                "running": stats.num_running if stats is not None else 0,
+                "waiting": stats.num_waiting if stats is not None else 0,
+                "kv_usage": kv_usage,
+                "step_ms_p50": None,
+                "restarts": self.num_restarts,
+            }
+        ]
+
+    def replica_stats(self) -> dict[str, SchedulerStats]:
+        return {"0": self.stats} if self.stats is not None else {}
+
+    def predict_ttft(self, num_prompt_tokens: int) -> None:
+        """None: one engine, whose in-flight requests the gateway's own admission control
+        follows itself (GenerationService.admit)."""
+        return None
+
     def _spawn(self) -> None:
         self._ready.clear()
         self._ready_at = None

@@ -313,6 +313,30 @@ class EngineCore:
                 for p in scheduler.waiting.priorities
                 if p <= PRIORITY_INTERACTIVE
             )
+        batch_ids = self._fcfs_batch
+
+        def interactive(request: Request) -> bool:
+            if batch_ids:
+                return request.req_id not in batch_ids
+            return request.is_interactive
+
+        prefill_left: list[int] = []
+        decoding = {"interactive": 0, "batch": 0}
+        decode_kv = {"interactive": 0, "batch": 0}
+        for request in scheduler.running:
+            left = request.num_tokens - request.num_computed_tokens
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                if interactive(request) and len(prefill_left) < _PREFILL_LEFT_MAX:
+                    prefill_left.append(left)
+            else:
+                cls = "interactive" if interactive(request) else "batch"
+                decoding[cls] += 1
+                decode_kv[cls] += request.num_computed_tokens
+        for request in scheduler.waiting:
+            if len(prefill_left) >= _PREFILL_LEFT_MAX:
+                break
+            if interactive(request):
+                prefill_left.append(request.num_tokens - request.num_computed_tokens)
         preempted = scheduler.num_preemptions_by_priority
         num_preempted_interactive = sum(
             n for p, n in preempted.items() if p <= PRIORITY_INTERACTIVE
@@ -337,7 +361,13 @@ class EngineCore:
             batch_token_budget=self.last_batch_token_budget,
             ttft_sum_s_by_class=dict(self._ttft_sum_s),
             ttft_count_by_class=dict(self._ttft_count),
+            interactive_prefill_left=prefill_left,
+            num_decoding_by_class=decoding,
+            decode_kv_tokens_by_class=decode_kv,
         )
+
+
+_PREFILL_LEFT_MAX = 64  # SchedulerStats.interactive_prefill_left's length at most
 
 
 def _by_class(num_interactive: int, num_all: int) -> dict[str, int]:

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -22,7 +23,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from tokenfleet.batch.store import BatchStore
 from tokenfleet.checkpoint.folder import resolve_model_folder
+from tokenfleet.config import EngineConfig
 from tokenfleet.engine.client import AsyncEngineClient
+from tokenfleet.engine.replica_client import ReplicaClient
+from tokenfleet.fleet.router import RouterConfig
 from tokenfleet.server import (
     anthropic_api,
     anthropic_batches,
@@ -49,6 +53,7 @@ from tokenfleet.server.offload import GatewayTokenizer
 from tokenfleet.server.openai_result_files import ResultFiles
 from tokenfleet.server.service import GenerationService
 from tokenfleet.server.settings import BatchConfig, ServeConfig
+from tokenfleet.server.shared_limits import SharedRateLimiter
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +124,7 @@ class Gateway(FastAPI):
         # charged as the service submits each engine request).
         anthropic = is_anthropic_request(request)
         limited_send = gate.wrap_send(send_with_id, group, anthropic)
-        limited = gate.enter(request, group)
+        limited = await gate.enter(request, group)
         if limited is not None:
             pending.passed()
             await limited(scope, receive, limited_send)
@@ -150,8 +155,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             from dataclasses import replace
 
             engine_config = replace(engine_config, model=str(folder))
-        client = AsyncEngineClient(engine_config, heartbeat_timeout_s=config.heartbeat_timeout_s)
-        metrics = Metrics(lambda: client.stats)
+        client = _replica_client(config, engine_config)
+        metrics = Metrics(lambda: client.stats, client.replica_stats)
         app.state.client = client
         app.state.metrics = metrics
         app.state.service = GenerationService(
@@ -163,6 +168,12 @@ def create_app(config: ServeConfig) -> FastAPI:
         owners = Owners(config.key_groups)
         batches = await _start_batches(config.batch, app.state.service, client, metrics, owners)
         app.state.batches = batches
+        shared_limits = None
+        if config.limits_shared:  # one allowance per key group for every gateway on the store
+            store = batches.dispatcher.store
+            shared_limits = SharedRateLimiter(config.limits, store, config.batch.gateway_id)
+            await shared_limits.start()
+            app.state.service.limiter = shared_limits
         # Everything loaded so far lives as long as the server: keep the collector from
         # walking it again on every full collection (a pause in every stream).
         gc.collect()
@@ -176,6 +187,8 @@ def create_app(config: ServeConfig) -> FastAPI:
             yield
         finally:
             app.state.gate.offloader.shutdown()
+            if shared_limits is not None:
+                await shared_limits.close()
             await batches.dispatcher.stop()
             batches.store.close()
             await client.shutdown()
@@ -217,7 +230,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         # As before: 200 while the engine runs, 503 while it is down (being restarted).
-        client: AsyncEngineClient = request.app.state.client
+        client: ReplicaClient = request.app.state.client
         if client.is_healthy():
             return JSONResponse({"status": "ok", "engine_pid": client.pid})
         return JSONResponse({"status": "engine unavailable", "down": ["engine"]}, status_code=503)
@@ -231,7 +244,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def ready(request: Request) -> JSONResponse:
         # Readiness: 200 only when the engine and the batch store are up; else 503 naming
         # each part down.
-        client: AsyncEngineClient = request.app.state.client
+        client: ReplicaClient = request.app.state.client
         store_up = await asyncio.to_thread(_store_is_up, request.app.state.batches.store)
         parts = {"engine": "up" if client.is_healthy() else "down"}
         parts["store"] = "up" if store_up else "down"
@@ -241,6 +254,12 @@ def create_app(config: ServeConfig) -> FastAPI:
         if client.is_healthy():
             body["engine_pid"] = client.pid
         return JSONResponse(body, status_code=503 if down else 200)
+
+    @app.get("/admin/fleet")
+    async def fleet(request: Request) -> JSONResponse:
+        # The replicas as this gateway sees them (the operator key guards /admin/).
+        client: ReplicaClient = request.app.state.client
+        return JSONResponse({"replicas": client.describe()})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -286,10 +305,32 @@ def create_app(config: ServeConfig) -> FastAPI:
     return app
 
 
+def _replica_client(config: ServeConfig, engine: EngineConfig) -> ReplicaClient:
+    """One local engine process, or the fleet on Ray (`--replicas`, `--ray-address`)."""
+    if config.fleet is None:
+        return AsyncEngineClient(engine, heartbeat_timeout_s=config.heartbeat_timeout_s)
+    from tokenfleet.cluster.client import FleetClient
+    from tokenfleet.cluster.placement import RayFleet
+
+    fleet = config.fleet
+    # The bundled model converts itself on each replica's node; a folder must be on each.
+    engine = config.engine
+    return FleetClient(
+        engine,
+        RayFleet(fleet, engine),
+        router_config=RouterConfig(policy=fleet.router),
+        replica_timeout_s=fleet.replica_timeout_s,
+        max_moves=fleet.max_moves,
+        move_wait_s=fleet.move_wait_s,
+        ttft_target_s=config.ttft_target_s,
+        gateway_id=f"{config.batch.gateway_id}-{uuid.uuid4().hex[:8]}",
+    )
+
+
 async def _start_batches(
     config: BatchConfig,
     service: GenerationService,
-    client: AsyncEngineClient,
+    client: ReplicaClient,
     metrics: Metrics,
     owners: Owners,
 ) -> BatchState:
@@ -300,8 +341,8 @@ async def _start_batches(
         store,
         DispatcherConfig(
             owner=config.gateway_id,
-            depth=config_depth(client),
-            queue_target=max(4, config_depth(client) // 8),
+            depth=config_depth(client, len(client.describe())),
+            queue_target=max(4, config_depth(client, len(client.describe())) // 8),
             lease_s=config.lease_s,
             max_attempts=config.max_attempts,
             retention_s=config.retention_s,
@@ -329,13 +370,13 @@ def _store_is_up(store: BatchStore) -> bool:
     return True
 
 
-def _batch_load(client: AsyncEngineClient) -> tuple[int, int] | None:
+def _batch_load(client: ReplicaClient) -> tuple[int, int] | None:
     stats = client.stats
     if stats is None:
         return None
     return stats.num_running_by_class.get("batch", 0), stats.num_waiting_by_class.get("batch", 0)
 
 
-def config_depth(client: AsyncEngineClient) -> int:
-    """Batch requests kept in the engine: its sequence slots, enough to keep it full."""
-    return client.config.scheduler.max_num_seqs
+def config_depth(client: ReplicaClient, replicas: int = 1) -> int:
+    """Batch requests kept in the engines: their sequence slots, enough to keep them full."""
+    return client.config.scheduler.max_num_seqs * replicas

@@ -15,7 +15,7 @@ from starlette.types import Message, Receive, Send
 from tokenfleet.server.body import whole_body
 from tokenfleet.server.errors import APIError, error_response
 from tokenfleet.server.keys import ANONYMOUS_GROUP, KeyRing, own_group
-from tokenfleet.server.limits import RateLimited, RateLimiter, rate_limited_response
+from tokenfleet.server.limits import Limiter, RateLimited, rate_limited_response
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.offload import PRECHECKS, Offloader, replayed_receive, replaying
 from tokenfleet.server.service import GenerationService
@@ -41,9 +41,13 @@ class Gate:
         self.keys = KeyRing(groups, config.operator_key)
         self.operator_required = bool(config.api_keys) or config.operator_key is not None
         self.service = service
-        self.limiter: RateLimiter = service.limiter
         self.metrics = metrics
         self.offloader = Offloader(config.check_threads, metrics.prechecks_running.set)
+
+    @property
+    def limiter(self) -> Limiter:
+        """The service's: this gateway's own, or the store's once it is open (app.py)."""
+        return self.service.limiter
 
     def authorize(self, request: Request) -> tuple[APIError | None, str | None]:
         """(a 401, or None) and the caller's group (None without keys). A caller's key is
@@ -63,17 +67,17 @@ class Gate:
         scope["tokenfleet.api_key"], group = found
         return None, group
 
-    def enter(self, request: Request, group: str | None) -> Response | None:
+    async def enter(self, request: Request, group: str | None) -> Response | None:
         """An interactive request starts: a 429 over its group's concurrency or requests
         per minute, else None (and `leave` once it ends)."""
         try:
-            self.limiter.enter(group or ANONYMOUS_GROUP)
+            await self.limiter.admit(group or ANONYMOUS_GROUP)
         except RateLimited as exc:
             return self.refused(request, exc, group)
         return None
 
     def leave(self, group: str | None) -> None:
-        self.limiter.leave(group or ANONYMOUS_GROUP)
+        self.limiter.release(group or ANONYMOUS_GROUP)
 
     def refused(self, request: Request, error: RateLimited, group: str | None) -> Response:
         self.metrics.rate_limited.labels(error.which).inc()

@@ -7,16 +7,20 @@ choices are `n` engine requests. Requests per minute and concurrency count API r
 The limits are token buckets that refill continuously (a full minute's allowance at most).
 A refused request gets a 429 (both APIs) with `retry-after`, before it reaches the engine.
 Batch requests are not limited here (their quotas are the batch store's).
+
+RateLimiter keeps the limits in this gateway's memory; SharedRateLimiter (shared_limits.py)
+keeps them in the batch store, for every gateway sharing it. The gateway calls either
+through `Limiter`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse
 from starlette.requests import Request
@@ -43,13 +47,14 @@ class GroupLimits:
             raise ValueError("rate limits must be positive, or 0 for none")
 
 
-class _Bucket:
-    """`per_minute` units a minute, refilled continuously, a minute's worth at most."""
+class Bucket:
+    """`per_minute` units a minute, refilled continuously, a minute's worth at most; full
+    at `now` unless `level` is given."""
 
-    def __init__(self, per_minute: int, now: float) -> None:
+    def __init__(self, per_minute: int, now: float, level: float | None = None) -> None:
         self.capacity = float(per_minute)
         self.rate = per_minute / 60.0
-        self.level = self.capacity
+        self.level = self.capacity if level is None else level
         self.at = now
 
     def _refill(self, now: float) -> None:
@@ -85,11 +90,60 @@ class RateLimited(APIError):
         self.which = which
 
 
+def over_concurrency(num_running: int, limit: int) -> RateLimited:
+    return RateLimited(
+        f"rate limited: {num_running} requests of this key group are running, its "
+        f"limit is {limit} at once; retry when one has ended",
+        1.0,
+        "requests",
+    )
+
+
+def over_requests(limit: int, wait_s: float) -> RateLimited:
+    return RateLimited(
+        f"rate limited: over this key group's {limit} requests per minute", wait_s, "requests"
+    )
+
+
+def over_tokens(tokens: int, limit: int, wait_s: float) -> RateLimited:
+    """`wait_s` inf: more than the bucket ever holds."""
+    if wait_s == math.inf:
+        return RateLimited(
+            f"rate limited: this request needs {tokens} tokens (prompt plus max_tokens), "
+            f"over this key group's limit of {limit} tokens per minute; lower max_tokens",
+            60.0,
+            "tokens",
+        )
+    return RateLimited(
+        f"rate limited: this request needs {tokens} tokens (prompt plus max_tokens), "
+        f"over what is left of this key group's {limit} tokens per minute",
+        wait_s,
+        "tokens",
+    )
+
+
+class Limiter(Protocol):
+    """What the gateway calls, on its event loop: RateLimiter (this gateway's limits) or
+    SharedRateLimiter (the store's, for every gateway sharing it)."""
+
+    async def admit(self, group: str) -> None:
+        """`enter`: RateLimited, or the caller must `release` once the request ends."""
+
+    def release(self, group: str) -> None:
+        """`leave`, without waiting for it."""
+
+    async def charge(self, group: str, tokens: int) -> None:
+        """`charge_tokens`."""
+
+    def headers(self, group: str, anthropic: bool) -> list[tuple[bytes, bytes]]:
+        """The rate-limit headers of a reply to `group`; never waits."""
+
+
 class _Group:
     def __init__(self, limits: GroupLimits, now: float) -> None:
         self.running = 0
-        self.requests = _Bucket(limits.requests_per_minute, now)
-        self.tokens = _Bucket(limits.tokens_per_minute, now)
+        self.requests = Bucket(limits.requests_per_minute, now)
+        self.tokens = Bucket(limits.tokens_per_minute, now)
 
 
 class RateLimiter:
@@ -111,25 +165,19 @@ class RateLimiter:
         requests per minute; else the caller must call `leave` once it ends."""
         g, now, limits = self._group(group), self.clock(), self.limits
         if limits.max_concurrent and g.running >= limits.max_concurrent:
-            raise RateLimited(
-                f"rate limited: {g.running} requests of this key group are running, its "
-                f"limit is {limits.max_concurrent} at once; retry when one has ended",
-                1.0,
-                "requests",
-            )
+            raise over_concurrency(g.running, limits.max_concurrent)
         if limits.requests_per_minute:
             wait = g.requests.take(1, now)
             if wait:
-                raise RateLimited(
-                    f"rate limited: over this key group's {limits.requests_per_minute} "
-                    "requests per minute",
-                    wait,
-                    "requests",
-                )
+                raise over_requests(limits.requests_per_minute, wait)
         g.running += 1
 
     def leave(self, group: str) -> None:
         self._group(group).running -= 1
+
+    def num_running(self, group: str) -> int:
+        found = self._groups.get(group)
+        return 0 if found is None else found.running
 
     def charge_tokens(self, group: str, tokens: int) -> None:
         """An engine request of `tokens` (prompt + max_tokens): RateLimited if the group's
@@ -138,47 +186,55 @@ class RateLimiter:
         if not limit:
             return
         wait = self._group(group).tokens.take(tokens, self.clock())
-        if wait == math.inf:
-            raise RateLimited(
-                f"rate limited: this request needs {tokens} tokens (prompt plus max_tokens), "
-                f"over this key group's limit of {limit} tokens per minute; lower max_tokens",
-                60.0,
-                "tokens",
-            )
         if wait:
-            raise RateLimited(
-                f"rate limited: this request needs {tokens} tokens (prompt plus max_tokens), "
-                f"over what is left of this key group's {limit} tokens per minute",
-                wait,
-                "tokens",
-            )
+            raise over_tokens(tokens, limit, wait)
 
     def headers(self, group: str, anthropic: bool) -> list[tuple[bytes, bytes]]:
         """The rate-limit headers of a reply to `group`, in the API's own names."""
-        g, now, limits = self._group(group), self.clock(), self.limits
-        wall = time.time()
-        out: list[tuple[str, str]] = []
-        for name, bucket, limit in (
+        g, limits = self._group(group), self.limits
+        buckets = (
             ("requests", g.requests, limits.requests_per_minute),
             ("tokens", g.tokens, limits.tokens_per_minute),
-        ):
-            if not limit:
-                continue
-            remaining, reset = str(bucket.remaining(now)), bucket.reset_s(now)
-            if anthropic:
-                at = datetime.fromtimestamp(math.ceil(wall + reset), UTC)
-                out += [
-                    (f"anthropic-ratelimit-{name}-limit", str(limit)),
-                    (f"anthropic-ratelimit-{name}-remaining", remaining),
-                    (f"anthropic-ratelimit-{name}-reset", at.strftime("%Y-%m-%dT%H:%M:%SZ")),
-                ]
-            else:
-                out += [
-                    (f"x-ratelimit-limit-{name}", str(limit)),
-                    (f"x-ratelimit-remaining-{name}", remaining),
-                    (f"x-ratelimit-reset-{name}", go_duration(reset)),
-                ]
-        return [(k.encode(), v.encode()) for k, v in out]
+        )
+        return rate_limit_headers(buckets, self.clock(), anthropic)
+
+    # The gateway's calls (Limiter): nothing here waits.
+
+    async def admit(self, group: str) -> None:
+        self.enter(group)
+
+    def release(self, group: str) -> None:
+        self.leave(group)
+
+    async def charge(self, group: str, tokens: int) -> None:
+        self.charge_tokens(group, tokens)
+
+
+def rate_limit_headers(
+    buckets: Sequence[tuple[str, Bucket, int]], now: float, anthropic: bool
+) -> list[tuple[bytes, bytes]]:
+    """The headers of (name, bucket, limit) for each limit that is on (limit not 0), in the
+    API's own names."""
+    wall = time.time()
+    out: list[tuple[str, str]] = []
+    for name, bucket, limit in buckets:
+        if not limit:
+            continue
+        remaining, reset = str(bucket.remaining(now)), bucket.reset_s(now)
+        if anthropic:
+            at = datetime.fromtimestamp(math.ceil(wall + reset), UTC)
+            out += [
+                (f"anthropic-ratelimit-{name}-limit", str(limit)),
+                (f"anthropic-ratelimit-{name}-remaining", remaining),
+                (f"anthropic-ratelimit-{name}-reset", at.strftime("%Y-%m-%dT%H:%M:%SZ")),
+            ]
+        else:
+            out += [
+                (f"x-ratelimit-limit-{name}", str(limit)),
+                (f"x-ratelimit-remaining-{name}", remaining),
+                (f"x-ratelimit-reset-{name}", go_duration(reset)),
+            ]
+    return [(k.encode(), v.encode()) for k, v in out]
 
 
 def go_duration(seconds: float) -> str:

@@ -127,9 +127,58 @@ def _step_model_gauges(stats: SchedulerStats) -> Iterator[GaugeMetricFamily]:
     yield coefficients
 
 
+class _ReplicaCollector(Collector):
+    """Per-replica series, labelled `replica` (its id), from each one's latest message."""
+
+    def __init__(self, replicas: Callable[[], dict[str, SchedulerStats]]) -> None:
+        self._replicas = replicas
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        series: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
+            "tokenfleet_replica_requests_running": (
+                "requests running on the replica",
+                lambda s: s.num_running,
+            ),
+            "tokenfleet_replica_requests_waiting": (
+                "requests waiting on the replica",
+                lambda s: s.num_waiting,
+            ),
+            "tokenfleet_replica_kv_blocks_used": (
+                "KV-cache blocks in use on the replica",
+                lambda s: s.num_kv_blocks_used,
+            ),
+            "tokenfleet_replica_kv_blocks_total": (
+                "KV-cache blocks of the replica",
+                lambda s: s.num_kv_blocks_total,
+            ),
+        }
+        replicas = self._replicas()
+        for name, (doc, value) in series.items():
+            family = GaugeMetricFamily(name, doc, labels=("replica",))
+            for replica, stats in sorted(replicas.items()):
+                family.add_metric((replica,), value(stats))
+            yield family
+        hits = CounterMetricFamily(
+            "tokenfleet_replica_prefix_cache_hit_tokens",
+            "prompt tokens served from the replica's prefix cache since it started",
+            labels=("replica",),
+        )
+        for replica, stats in sorted(replicas.items()):
+            hits.add_metric((replica,), stats.num_prefix_hit_tokens)
+        yield hits
+
+
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], SchedulerStats | None],
+        replica_stats: Callable[[], dict[str, SchedulerStats]] | None = None,
+    ) -> None:
+        """`engine_stats`: all replicas' as one (the single engine's); `replica_stats`:
+        each replica's, for series with a `replica` label."""
         self.registry = CollectorRegistry()
+        if replica_stats is not None:
+            self.registry.register(_ReplicaCollector(replica_stats))
         labels = ("route", "priority")
         self.ttft = Histogram(
             "tokenfleet_time_to_first_token_seconds",

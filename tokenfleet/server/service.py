@@ -18,7 +18,8 @@ from prometheus_client import Histogram
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.engine_api import EngineCoreRequest, TokenLogprobs
 from tokenfleet.core.sampling_params import SamplingParams
-from tokenfleet.engine.client import AsyncEngineClient, EngineDeadError, RequestFailedError
+from tokenfleet.engine.client import EngineDeadError, RequestFailedError
+from tokenfleet.engine.replica_client import ReplicaClient
 from tokenfleet.engine.wire import EngineReady
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.policy.admission import AdmissionControl, FirstToken, StepLimit, Verdict
@@ -27,7 +28,7 @@ from tokenfleet.server.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
 from tokenfleet.server.keys import ANONYMOUS_GROUP, CALLER_GROUP
-from tokenfleet.server.limits import RateLimiter
+from tokenfleet.server.limits import Limiter, RateLimiter
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.settings import ServeConfig
 
@@ -141,7 +142,7 @@ class PendingRequests:
 class GenerationService:
     def __init__(
         self,
-        client: AsyncEngineClient,
+        client: ReplicaClient,
         tokenizer: Tokenizer,
         config: ServeConfig,
         metrics: Metrics,
@@ -156,7 +157,8 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.config = config
         self.metrics = metrics
-        self.limiter = RateLimiter(config.limits)  # per key group, interactive only
+        # Per key group, interactive only; the store's instead when shared (app.py).
+        self.limiter: Limiter = RateLimiter(config.limits)
         engine = client.config
         limit = None
         if engine.scheduling_policy == "priority":
@@ -248,6 +250,9 @@ class GenerationService:
         return verdict
 
     def _predict(self, num_prompt_tokens: int) -> Verdict:
+        fleet = self.client.predict_ttft(num_prompt_tokens)
+        if fleet is not None:  # replicas on Ray: judged from their own reports
+            return fleet
         # The engine's own step-time model, from its latest step or heartbeat; none yet
         # (starting, or a restarted engine) leaves admission to its EMA fallback.
         stats = self.client.stats
@@ -277,7 +282,7 @@ class GenerationService:
         # The caller's key group (None without keys): its limits, and its own prefix cache.
         group = CALLER_GROUP.get()
         if priority == "interactive":
-            self.limiter.charge_tokens(group or ANONYMOUS_GROUP, num_prompt + params.max_tokens)
+            await self.limiter.charge(group or ANONYMOUS_GROUP, num_prompt + params.max_tokens)
         request = EngineCoreRequest(
             f"gen-{random_hex(32)}",
             prompt_token_ids,

@@ -7,7 +7,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tokenfleet.config import EngineConfig
+from tokenfleet.batch.database import engine_url
+from tokenfleet.config import EngineConfig, FleetConfig
 from tokenfleet.server.connections import ReadDeadlines
 from tokenfleet.server.limits import GroupLimits
 
@@ -71,6 +72,10 @@ class ServeConfig:
     key_groups: tuple[tuple[str, str], ...] = ()
     operator_key: str | None = None
     limits: GroupLimits = field(default_factory=GroupLimits)
+    # Whether `limits` are kept in the batch store, one allowance per group for every
+    # gateway sharing it, rather than in this gateway's memory; None: when the store is
+    # PostgreSQL (SQLite is one gateway's). See limits_shared.
+    shared_limits: bool | None = None
     read_deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
     # Connections open at once (uvicorn's limit_concurrency: a 503 beyond) and seconds an
     # idle kept-alive connection is held.
@@ -103,6 +108,8 @@ class ServeConfig:
     engine_restart_backoff_max_s: float = 60.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
+    # Replicas on Ray (--replicas, --ray-address); None: one local engine process.
+    fleet: FleetConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.api_keys and not is_loopback(self.host):
@@ -139,3 +146,10 @@ class ServeConfig:
             raise ValueError("engine start timeout must be positive, restart backoff >= 0")
         if self.engine_restart_backoff_max_s < self.engine_restart_backoff_s:
             raise ValueError("engine restart backoff cap must be at least the initial backoff")
+
+    @property
+    def limits_shared(self) -> bool:
+        """`shared_limits`, None resolved by the batch store's dialect."""
+        if self.shared_limits is not None:
+            return self.shared_limits
+        return engine_url(self.batch.url).get_backend_name() == "postgresql"

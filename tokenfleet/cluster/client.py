@@ -1,0 +1,557 @@
+"""FleetClient: the gateway's ReplicaClient for a fleet of replicas (the single-replica one
+is engine/client.py's AsyncEngineClient; the gateway sees only their shared interface).
+
+- **Finding replicas**: every `discover_interval_s` it asks the directory (Ray, by name)
+  for each replica's incarnation and address, connects to new incarnations and drops old
+  ones.
+- **Routing**: interactive requests by the router's score (prefix overlap, salted by key
+  group as the engine salts it, and load), kept off a replica predicted to miss the TTFT
+  target while another meets it (fleet/ttft.py, from the replicas' own reports); batch
+  requests to the ready replica with the fewest of this gateway's batch requests.
+- **Admission**: `predict_ttft` is the best replica's prediction; the gateway refuses
+  (529 / 429) only when no replica meets the target.
+- **Failover**: a replica silent for `replica_timeout_s` (its bridge beats every 0.2 s
+  from a thread of its own, so a long step is not a silence), or that Ray reports dead or
+  restarting, is dead to this gateway: its incarnation is fenced, and each of its requests
+  moves to another replica as a new attempt that carries the tokens already received
+  (EngineCoreRequest.output_token_ids): the caller's stream goes on without a repeated or
+  missing token. The engine request id is `<id>/<attempt>`, so outputs of an older
+  attempt (a replica that speaks late) are dropped. A request moved more than `max_moves`
+  times, or with no replica to move to for `move_wait_s`, ends with EngineDeadError.
+
+(Over 400 lines: routing, moving and reading replies are one state machine over the same
+requests and links; split, each part would reach into the others' state.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenfleet.cluster.links import ReplicaLink
+from tokenfleet.cluster.placement import ReplicaDescription
+from tokenfleet.cluster.wire import (
+    FleetMessage,
+    GatewayPing,
+    ReplicaBeat,
+    ReplicaOutputs,
+    ReplicaRejected,
+    decode_message,
+)
+from tokenfleet.config import EngineConfig
+from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from tokenfleet.core.request import PRIORITY_INTERACTIVE
+from tokenfleet.engine.client import Arrival, EngineDeadError, RequestOutputs
+from tokenfleet.engine.wire import AbortRequests, AddRequests, EngineReady
+from tokenfleet.errors import InvalidRequestError
+from tokenfleet.fleet.router import Router, RouterConfig
+from tokenfleet.fleet.ttft import ReplicaTTFT
+from tokenfleet.policy.admission import Verdict
+
+logger = logging.getLogger(__name__)
+
+
+class Directory(Protocol):
+    """Where the replicas are: Ray (placement.RayFleet), or a fixed list in tests."""
+
+    def start(self) -> None: ...
+
+    async def describe(self, timeout_s: float) -> dict[int, ReplicaDescription | str]: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class _Moving:
+    """One request of this gateway, wherever it runs now."""
+
+    request: EngineCoreRequest
+    queue: asyncio.Queue[Arrival | Exception]
+    replica_id: int = -1
+    attempt: int = 0
+    received: list[int] = field(default_factory=list)  # output tokens passed to the caller
+    routed_tokens: int = 0  # what the router was told it has to prefill
+    first_seen: bool = False
+    parked_at: float | None = None  # waiting for a replica to move to since then
+
+    @property
+    def engine_id(self) -> str:
+        return f"{self.request.req_id}/{self.attempt}"
+
+    @property
+    def interactive(self) -> bool:
+        return self.request.priority <= PRIORITY_INTERACTIVE
+
+
+class FleetClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        directory: Directory,
+        *,
+        router_config: RouterConfig | None = None,
+        replica_timeout_s: float = 1.5,
+        discover_interval_s: float = 0.5,
+        max_moves: int = 3,
+        move_wait_s: float = 30.0,
+        startup_timeout_s: float = 600.0,
+        gateway_id: str | None = None,
+        host: str = "127.0.0.1",
+        ttft_target_s: float = 2.0,
+    ) -> None:
+        """`host`: the address replicas reach this gateway at (its node's)."""
+        self.config = config
+        self.directory = directory
+        self.router = Router(router_config or RouterConfig(), config.cache.block_size)
+        self.ttft = ReplicaTTFT.of(config, ttft_target_s)
+        self.replica_timeout_s = replica_timeout_s
+        self.discover_interval_s = discover_interval_s
+        self.max_moves = max_moves
+        self.move_wait_s = move_wait_s
+        self.startup_timeout_s = startup_timeout_s
+        self.gateway_id = gateway_id or f"gw-{uuid.uuid4().hex[:12]}"
+        self._identity = self.gateway_id.encode()
+        self.host = host
+        self._ctx = zmq.asyncio.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)
+        # Plain sockets to send: one per replica, never waited on.
+        self._send_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
+        self._encoder = msgspec.msgpack.Encoder()
+        self.links: dict[int, ReplicaLink] = {}
+        self._requests: dict[str, _Moving] = {}
+        self._queues: dict[str, asyncio.Queue[Arrival | Exception]] = {}  # RequestOutputs'
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready = asyncio.Event()
+        self._closing = False
+        self.num_moves = 0  # requests moved to another replica since start
+        self.num_restarts = 0
+        self.count_pending: Callable[[], int | None] | None = None
+        # AsyncEngineClient's knobs, set by the gateway; the fleet has its own.
+        self.restart_backoff_s = self.restart_backoff_max_s = 0.0
+
+    # -- the ReplicaClient interface ----------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.directory.start)
+        self.host = getattr(self.directory, "host", self.host)
+        self._replies = self._ctx.socket(zmq.PULL)
+        port = self._replies.bind_to_random_port(f"tcp://{self.host}")
+        self._ping = self._encoder.encode(GatewayPing(f"tcp://{self.host}:{port}"))
+        self._tasks = [
+            asyncio.create_task(self._discover_loop()),
+            asyncio.create_task(self._watchdog()),
+            asyncio.create_task(self._read()),
+        ]
+        await self.wait_ready(self.startup_timeout_s)
+
+    async def wait_ready(self, timeout: float) -> None:
+        await asyncio.wait_for(self._ready.wait(), timeout)
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        for link in self.links.values():
+            link.close()
+        self._ctx.destroy(linger=0)
+        await asyncio.to_thread(self.directory.shutdown)
+
+    @property
+    def pid(self) -> int | None:
+        return None  # several processes: GET /admin/fleet lists them
+
+    @property
+    def info(self) -> EngineReady | None:
+        infos = [link.info for link in self.links.values() if link.info is not None]
+        if not infos:
+            return None
+        # One model everywhere; the tightest cache decides what fits anywhere.
+        return min(infos, key=lambda info: info.max_model_len)
+
+    @property
+    def stats(self) -> SchedulerStats | None:
+        return merge_stats([link.stats for link in self._ready_links() if link.stats])
+
+    def replica_stats(self) -> dict[str, SchedulerStats]:
+        """Each replica's latest stats, by replica id (the `replica` label of /metrics)."""
+        return {str(i): link.stats for i, link in self.links.items() if link.stats is not None}
+
+    def is_healthy(self) -> bool:
+        return any(link.routable for link in self.links.values())
+
+    def predict_ttft(self, num_prompt_tokens: int) -> Verdict | None:
+        """The best ready replica's predicted time to first token, as a verdict against
+        the target (Retry-After: the excess, whole seconds, at least 1)."""
+        best = min(
+            (
+                self.ttft.predict(link.stats, num_prompt_tokens, link.unreported)
+                for link in self._ready_links()
+            ),
+            default=0.0,
+        )
+        if self.ttft.meets(best):
+            return Verdict(best, "fleet")
+        excess = best - self.ttft.ttft_target_s if math.isfinite(best) else 1.0
+        return Verdict(best, "fleet", max(1, math.ceil(excess)))
+
+    def describe(self) -> list[dict[str, object]]:
+        return [self.links[i].describe() for i in sorted(self.links)]
+
+    async def submit(
+        self, request: EngineCoreRequest, num_pending: int | None = None
+    ) -> RequestOutputs:
+        if not self.is_healthy():
+            raise EngineDeadError("no replica is ready")
+        if request.req_id in self._requests:
+            raise InvalidRequestError(f"request id {request.req_id!r} is in use")
+        queue: asyncio.Queue[Arrival | Exception] = asyncio.Queue()
+        moving = _Moving(request, queue)
+        self._requests[request.req_id] = self._queues_entry(moving)
+        if not self._place(moving, num_pending):
+            self._forget(moving)
+            raise EngineDeadError("no replica could take the request")
+        return RequestOutputs(self, request.req_id, queue)  # type: ignore[arg-type]
+
+    def settled(self) -> asyncio.Future[None]:
+        # Each request goes out as it is submitted: nothing to wait for.
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(None)
+        return future
+
+    async def generate(self, request: EngineCoreRequest) -> AsyncGenerator[EngineCoreOutput, None]:
+        outputs = await self.submit(request)
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                yield output
+
+    async def abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            moving = self._requests.get(req_id)
+            if moving is not None:
+                self._abort_on_replica(moving)
+                self._forget(moving)
+
+    # -- placing and moving requests ----------------------------------------------
+
+    def _queues_entry(self, moving: _Moving) -> _Moving:
+        self._queues[moving.request.req_id] = moving.queue
+        return moving
+
+    def _ready_links(self) -> list[ReplicaLink]:
+        return [link for link in self.links.values() if link.routable]
+
+    def _choose(self, moving: _Moving) -> ReplicaLink | None:
+        links = self._ready_links()
+        if not links:
+            return None
+        if not moving.interactive:
+            return min(links, key=lambda link: (link.num_batch, link.replica_id))
+        request = moving.request
+        tokens = request.prompt_token_ids + moving.received
+
+        def meets_target(replica_id: int, uncached: int) -> bool:
+            link = self.links[replica_id]
+            return self.ttft.meets(self.ttft.predict(link.stats, uncached, link.unreported))
+
+        replica_id, uncached = self.router.route(
+            tokens,
+            [link.replica_id for link in links],
+            cache_salt=request.cache_salt,
+            meets_target=meets_target,
+        )
+        moving.routed_tokens = uncached
+        self.links[replica_id].unreported.append(uncached)
+        return self.links[replica_id]
+
+    def _place(self, moving: _Moving, num_pending: int | None = None) -> bool:
+        """Send the request's current attempt to a replica; False if none is ready."""
+        link = self._choose(moving)
+        if link is None:
+            return False
+        while link is not None:
+            moving.replica_id = link.replica_id
+            moving.first_seen = bool(moving.received)
+            link.requests.add(moving.request.req_id)
+            if not moving.interactive:
+                link.num_batch += 1
+            message = AddRequests([self._attempt(moving)], num_pending)
+            if link.send(self._encoder.encode(message)):
+                return True
+            self._leave(moving)
+            self._replica_dead(link, "its socket refused a request")
+            link = self._choose(moving)
+        return False
+
+    def _attempt(self, moving: _Moving) -> EngineCoreRequest:
+        """The engine request of the current attempt: a later one carries the tokens the
+        caller has received, and no prompt logprobs (the first attempt sent them)."""
+        request = moving.request
+        if not moving.attempt:
+            return msgspec.structs.replace(request, req_id=moving.engine_id)
+        params = request.sampling_params
+        if params.prompt_logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=None)
+        return msgspec.structs.replace(
+            request,
+            req_id=moving.engine_id,
+            sampling_params=params,
+            output_token_ids=list(moving.received),
+        )
+
+    def _leave(self, moving: _Moving) -> None:
+        """The request no longer runs on the replica it was on."""
+        link = self.links.get(moving.replica_id)
+        if link is not None and moving.request.req_id in link.requests:
+            link.requests.discard(moving.request.req_id)
+            if not moving.interactive:
+                link.num_batch -= 1
+            if moving.interactive:
+                if not moving.first_seen:
+                    self.router.prefilled(link.replica_id, moving.routed_tokens)
+                self.router.finished(link.replica_id)
+        moving.replica_id = -1
+
+    def _forget(self, moving: _Moving) -> None:
+        self._leave(moving)
+        self._requests.pop(moving.request.req_id, None)
+        self._queues.pop(moving.request.req_id, None)
+
+    def _abort_on_replica(self, moving: _Moving) -> None:
+        link = self.links.get(moving.replica_id)
+        if link is not None:
+            link.send(self._encoder.encode(AbortRequests([moving.engine_id])))
+
+    def _move(self, moving: _Moving, why: str) -> None:
+        self._abort_on_replica(moving)  # in case it only paused: nothing more from it
+        self._leave(moving)
+        if moving.request.req_id not in self._queues:  # its caller has gone
+            self._forget(moving)
+            return
+        moving.attempt += 1
+        if moving.attempt > self.max_moves:
+            self._fail(moving, f"the request was moved {self.max_moves} times ({why})")
+            return
+        self.num_moves += 1
+        logger.warning(
+            "request %s moves (attempt %d, %d tokens received): %s",
+            moving.request.req_id,
+            moving.attempt,
+            len(moving.received),
+            why,
+        )
+        if not self._place(moving):
+            moving.parked_at = time.monotonic()
+
+    def _fail(self, moving: _Moving, message: str) -> None:
+        moving.queue.put_nowait(EngineDeadError(message))
+        self._forget(moving)
+
+    def _unpark(self) -> None:
+        now = time.monotonic()
+        for moving in list(self._requests.values()):
+            if moving.parked_at is None:
+                continue
+            if moving.request.req_id not in self._queues:  # its caller has gone
+                self._forget(moving)
+                continue
+            if self._place(moving):
+                moving.parked_at = None
+            elif now - moving.parked_at > self.move_wait_s:
+                self._fail(moving, f"no replica to move the request to for {self.move_wait_s} s")
+
+    # -- replicas -------------------------------------------------------------------
+
+    async def _discover_loop(self) -> None:
+        while True:
+            try:
+                found = await self.directory.describe(max(1.0, self.replica_timeout_s))
+            except Exception:
+                logger.exception("the fleet's directory could not be read")
+                found = {}
+            for replica_id, description in found.items():
+                self._discovered(replica_id, description)
+            await asyncio.sleep(self.discover_interval_s)
+
+    def _discovered(self, replica_id: int, found: ReplicaDescription | str) -> None:
+        link = self.links.get(replica_id)
+        if link is None:
+            link = self.links[replica_id] = ReplicaLink(replica_id)
+            self.router.add_replica(replica_id)
+        if isinstance(found, str):
+            if found in ("dead", "restarting") and link.state != "dead":
+                self._replica_dead(link, f"Ray reports it {found}")
+            return
+        if found.incarnation == link.incarnation or found.incarnation in link.fenced:
+            return
+        if link.incarnation is not None:
+            self._replica_dead(link, "it has a new incarnation")
+        if link.fenced or link.incarnation is not None:
+            link.restarts += 1
+            self.num_restarts += 1
+        link.incarnation = found.incarnation
+        link.address, link.node, link.pid = found.address, found.node, found.pid
+        link.state, link.info, link.beat = "starting", None, None
+        link.connect(self._send_ctx, self._identity)
+        link.send(self._ping)
+        logger.info("replica %d incarnation %d at %s", replica_id, found.incarnation, link.address)
+
+    def _replica_dead(self, link: ReplicaLink, why: str) -> None:
+        if link.incarnation is not None:
+            link.fenced.add(link.incarnation)
+        was = link.state
+        link.state, link.incarnation, link.stats = "dead", None, None
+        link.close()
+        if was != "dead":
+            logger.error("replica %d is dead to this gateway: %s", link.replica_id, why)
+        if not self.is_healthy():
+            self._ready.clear()
+        for req_id in list(link.requests):
+            moving = self._requests.get(req_id)
+            if moving is not None:
+                self._move(moving, f"replica {link.replica_id}: {why}")
+        link.requests.clear()
+        link.num_batch = 0
+
+    async def _watchdog(self) -> None:
+        ping = self._ping
+        next_ping = 0.0
+        last_round = time.monotonic()
+        while True:
+            await asyncio.sleep(0.1)
+            # This loop woke late (it was blocked): what the replicas sent meanwhile is
+            # still unread, so no silence is judged this round.
+            now = time.monotonic()
+            late = now - last_round > 0.35
+            last_round = now
+            try:
+                next_ping = self._watch(ping, next_ping, late)
+            except Exception:  # a bug here must not end the watch over every replica
+                logger.exception("the fleet watchdog failed a round")
+
+    def _watch(self, ping: bytes, next_ping: float, late: bool) -> float:
+        """One round of the watchdog: pings out, silent replicas dead, parked requests
+        placed; returns when to ping next."""
+        now = time.monotonic()
+        if now >= next_ping:
+            next_ping = now + 0.5
+            for link in self.links.values():
+                link.send(ping)
+        for link in list(self.links.values()):
+            if link.socket is None or link.state == "dead" or late:
+                continue
+            if now - link.last_heard > self.replica_timeout_s:
+                silence = now - link.last_heard
+                self._replica_dead(link, f"silent for {silence:.1f} s")
+        self._unpark()
+        return next_ping
+
+    async def _read(self) -> None:
+        while True:
+            data = await self._replies.recv()
+            try:
+                self._received(decode_message(data))
+            except Exception:  # a bug here must not end every stream's reading
+                logger.exception("a message from a replica could not be handled")
+
+    def _received(self, message: FleetMessage) -> None:
+        link = self.links.get(message.replica_id)
+        if link is None or message.incarnation != link.incarnation:
+            return  # fenced: an incarnation this gateway no longer talks to
+        now = link.last_heard = time.monotonic()
+        if isinstance(message, ReplicaBeat):
+            link.beat = message
+            link.stats = message.stats or link.stats
+            link.info = message.info
+            if message.info is not None and link.state == "starting":
+                link.state = "ready"
+                logger.info("replica %d is ready", link.replica_id)
+                self._ready.set()
+                self._unpark()
+        elif isinstance(message, ReplicaOutputs):
+            if message.outputs.stats is not None:
+                link.stats = message.outputs.stats
+            for output in message.outputs.outputs:
+                self._output(link, output, now)
+        elif isinstance(message, ReplicaRejected):
+            moving = self._current(message.rejected.req_id, link)
+            if moving is not None:
+                error = InvalidRequestError(
+                    message.rejected.message, param=message.rejected.param
+                )
+                moving.queue.put_nowait(error)
+                self._forget(moving)
+
+    def _reported(self, link: ReplicaLink, stats: SchedulerStats) -> None:
+        link.stats = stats
+        link.unreported.clear()  # what this gateway sent before is in the report now
+        self.router.report(link.replica_id, stats.num_running + stats.num_waiting)
+
+    def _current(self, engine_id: str, link: ReplicaLink) -> _Moving | None:
+        """The request of this engine id if that id is its current attempt on `link`."""
+        req_id, _, attempt = engine_id.rpartition("/")
+        moving = self._requests.get(req_id)
+        if moving is None or moving.replica_id != link.replica_id:
+            return None
+        if str(moving.attempt) != attempt:
+            return None
+        return moving
+
+    def _output(self, link: ReplicaLink, output: EngineCoreOutput, now: float) -> None:
+        moving = self._current(output.req_id, link)
+        if moving is None:
+            return  # an older attempt, or a request no longer wanted
+        if not moving.first_seen and (output.new_token_ids or output.finished):
+            moving.first_seen = True
+            if moving.interactive:
+                self.router.prefilled(link.replica_id, moving.routed_tokens)
+        moving.received += output.new_token_ids
+        moving.queue.put_nowait((now, output))
+        if output.finished:
+            self._leave(moving)
+            self._requests.pop(moving.request.req_id, None)
+
+
+def merge_stats(parts: list[SchedulerStats]) -> SchedulerStats | None:
+    """The fleet's stats as one replica's: counts summed; the step-time model's of the
+    first replica (one model, one kind of accelerator)."""
+    if not parts:
+        return None
+
+    def total(name: str) -> int:
+        return sum(getattr(s, name) for s in parts)
+
+    def by_class(name: str) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for s in parts:
+            for key, value in getattr(s, name).items():
+                merged[key] = merged.get(key, 0) + value
+        return merged
+
+    first = parts[0]
+    return msgspec.structs.replace(
+        first,
+        num_running=total("num_running"),
+        num_waiting=total("num_waiting"),
+        num_kv_blocks_used=total("num_kv_blocks_used"),
+        num_kv_blocks_total=total("num_kv_blocks_total"),
+        num_prefix_query_tokens=total("num_prefix_query_tokens"),
+        num_prefix_hit_tokens=total("num_prefix_hit_tokens"),
+        num_preemptions=total("num_preemptions"),
+        num_steps=total("num_steps"),
+        num_running_by_class=by_class("num_running_by_class"),
+        num_waiting_by_class=by_class("num_waiting_by_class"),
+        num_preemptions_by_class=by_class("num_preemptions_by_class"),
+        ttft_sum_s_by_class=by_class("ttft_sum_s_by_class"),
+        ttft_count_by_class=by_class("ttft_count_by_class"),
+    )
