@@ -69,6 +69,11 @@ class Directory(Protocol):
 
     async def describe(self, timeout_s: float) -> dict[int, ReplicaDescription | str]: ...
 
+    def restart(self, replica_id: int) -> None:
+        """Have the replica replaced: it still runs, but this gateway took it for dead
+        (frozen, cut off). Ray notices neither by itself."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -392,7 +397,16 @@ class FleetClient:
             if found in ("dead", "restarting") and link.state != "dead":
                 self._replica_dead(link, f"Ray reports it {found}")
             return
-        if found.incarnation == link.incarnation or found.incarnation in link.fenced:
+        if found.incarnation in link.fenced:
+            # Declared dead, still running (frozen, cut off, or only slow): replace it,
+            # once; its requests have moved, and whatever it sends is dropped.
+            if found.incarnation not in link.restart_asked:
+                link.restart_asked.add(found.incarnation)
+                logger.warning("replica %d: asking Ray to replace it", replica_id)
+                task = asyncio.create_task(asyncio.to_thread(self.directory.restart, replica_id))
+                self._tasks.append(task)
+            return
+        if found.incarnation == link.incarnation:
             return
         if link.incarnation is not None:
             self._replica_dead(link, "it has a new incarnation")
@@ -447,6 +461,12 @@ class FleetClient:
             next_ping = now + 0.5
             for link in self.links.values():
                 link.send(ping)
+        else:
+            # A new connection takes a moment: a replica not yet heard from is pinged every
+            # round, so that it learns of this gateway (and beats) at once.
+            for link in self.links.values():
+                if link.beat is None and link.state == "starting":
+                    link.send(ping)
         for link in list(self.links.values()):
             if link.socket is None or link.state == "dead" or late:
                 continue
@@ -486,9 +506,7 @@ class FleetClient:
         elif isinstance(message, ReplicaRejected):
             moving = self._current(message.rejected.req_id, link)
             if moving is not None:
-                error = InvalidRequestError(
-                    message.rejected.message, param=message.rejected.param
-                )
+                error = InvalidRequestError(message.rejected.message, param=message.rejected.param)
                 moving.queue.put_nowait(error)
                 self._forget(moving)
 

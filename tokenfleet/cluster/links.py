@@ -28,6 +28,7 @@ class ReplicaLink:
     state: str = "starting"
     incarnation: int | None = None  # the one this gateway takes messages from
     fenced: set[int] = field(default_factory=set)  # incarnations declared dead
+    restart_asked: set[int] = field(default_factory=set)  # fenced ones Ray was asked to replace
     address: str = ""
     node: str = ""
     pid: int | None = None

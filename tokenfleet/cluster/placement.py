@@ -178,6 +178,13 @@ class RayFleet:
         results = await asyncio.gather(*(one(h) for h in handles.values()))
         return dict(zip(handles, results, strict=True))
 
+    def restart(self, replica_id: int) -> None:
+        """Kill the replica's process so that Ray starts it again (a restart counts
+        against its max_restarts), whatever state it is in."""
+        handle = self.handles().get(replica_id)
+        if handle is not None:
+            self._ray.kill(handle, no_restart=False)
+
     def shutdown(self) -> None:
         """Leave an operator's cluster as it is (its replicas serve other gateways); take a
         local instance down with its replicas."""

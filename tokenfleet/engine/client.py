@@ -100,6 +100,7 @@ class AsyncEngineClient:
         self.stats: SchedulerStats | None = None
         self.last_heartbeat = 0.0
         self.num_restarts = 0
+        self.num_moves = 0  # one engine: a request whose engine dies is lost, never moved
         self._closing = False
         # settled(): done at the engine's next output, or once submits pause.
         self._settle_waiters: list[asyncio.Future[None]] = []

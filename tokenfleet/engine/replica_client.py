@@ -28,6 +28,8 @@ class ReplicaClient(Protocol):
     restart_backoff_s: float
     restart_backoff_max_s: float
     num_restarts: int
+    # Requests moved to another replica after theirs died (a fleet's; 0 for one engine).
+    num_moves: int
 
     @property
     def info(self) -> EngineReady | None: ...

@@ -156,7 +156,7 @@ def create_app(config: ServeConfig) -> FastAPI:
 
             engine_config = replace(engine_config, model=str(folder))
         client = _replica_client(config, engine_config)
-        metrics = Metrics(lambda: client.stats, client.replica_stats)
+        metrics = Metrics(lambda: client.stats, client.replica_stats, lambda: client.num_moves)
         app.state.client = client
         app.state.metrics = metrics
         app.state.service = GenerationService(
@@ -259,7 +259,8 @@ def create_app(config: ServeConfig) -> FastAPI:
     async def fleet(request: Request) -> JSONResponse:
         # The replicas as this gateway sees them (the operator key guards /admin/).
         client: ReplicaClient = request.app.state.client
-        return JSONResponse({"replicas": client.describe()})
+        body = {"replicas": client.describe(), "moves": client.num_moves}
+        return JSONResponse(body)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -130,8 +130,11 @@ def _step_model_gauges(stats: SchedulerStats) -> Iterator[GaugeMetricFamily]:
 class _ReplicaCollector(Collector):
     """Per-replica series, labelled `replica` (its id), from each one's latest message."""
 
-    def __init__(self, replicas: Callable[[], dict[str, SchedulerStats]]) -> None:
+    def __init__(
+        self, replicas: Callable[[], dict[str, SchedulerStats]], moves: Callable[[], int]
+    ) -> None:
         self._replicas = replicas
+        self._moves = moves
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         series: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
@@ -166,6 +169,11 @@ class _ReplicaCollector(Collector):
         for replica, stats in sorted(replicas.items()):
             hits.add_metric((replica,), stats.num_prefix_hit_tokens)
         yield hits
+        yield CounterMetricFamily(
+            "tokenfleet_fleet_request_moves",
+            "requests moved to another replica after theirs died, since the gateway started",
+            value=self._moves(),
+        )
 
 
 class Metrics:
@@ -173,12 +181,13 @@ class Metrics:
         self,
         engine_stats: Callable[[], SchedulerStats | None],
         replica_stats: Callable[[], dict[str, SchedulerStats]] | None = None,
+        moves: Callable[[], int] = lambda: 0,
     ) -> None:
         """`engine_stats`: all replicas' as one (the single engine's); `replica_stats`:
         each replica's, for series with a `replica` label."""
         self.registry = CollectorRegistry()
         if replica_stats is not None:
-            self.registry.register(_ReplicaCollector(replica_stats))
+            self.registry.register(_ReplicaCollector(replica_stats, moves))
         labels = ("route", "priority")
         self.ttft = Histogram(
             "tokenfleet_time_to_first_token_seconds",

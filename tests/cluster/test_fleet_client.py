@@ -1,0 +1,364 @@
+"""FleetClient, the gateway's side of the fleet, against replicas in this process: real
+ReplicaBridges (the engine loop behind its bridge, over tcp on 127.0.0.1) with the fixed
+runner, found through a directory the test controls instead of Ray. Routing, moving a
+dead replica's requests with the tokens already received, fencing of old incarnations and
+old attempts, the limit on moves, waiting for a replica to move to, and Ray's word that a
+replica is dead."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tokenfleet.checkpoint.tokenizer import Tokenizer
+from tokenfleet.cluster.client import FleetClient, _Moving
+from tokenfleet.cluster.placement import ReplicaDescription
+from tokenfleet.cluster.replica import ReplicaBridge
+from tokenfleet.cluster.wire import ReplicaBeat, ReplicaOutputs
+from tokenfleet.config import EngineConfig
+from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.engine.client import EngineDeadError, RequestOutputs
+
+pytestmark = pytest.mark.fake("runner")
+
+STEP_S = 0.005  # each engine step sleeps this long: a request of N tokens lasts >= N steps
+BOGUS = 7  # a token id the fixed runner never samples
+# A bound on waits for events that take milliseconds here: only a hang reaches it.
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def config(model_folder: Path) -> EngineConfig:
+    return EngineConfig(model=str(model_folder), runner="fixed", fixed_step_s=STEP_S)
+
+
+@pytest.fixture(scope="module")
+def fixed_token(model_folder: Path) -> int:
+    """The token the fixed runner samples (" a", as engine/core.py picks it)."""
+    return Tokenizer(model_folder).encode(" a")[-1]
+
+
+class StaticDirectory:
+    """The replicas a test lists: a bridge (described as Ray's actor would be), or what
+    Ray would say instead ("dead", "restarting", "silent")."""
+
+    def __init__(self, entries: dict[int, ReplicaBridge | str]) -> None:
+        self.entries = entries
+        self.restarts: list[int] = []  # replicas the gateway asked to have replaced
+
+    def start(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def restart(self, replica_id: int) -> None:
+        self.restarts.append(replica_id)
+
+    async def describe(self, timeout_s: float) -> dict[int, ReplicaDescription | str]:
+        found: dict[int, ReplicaDescription | str] = {}
+        for replica_id, entry in self.entries.items():
+            if isinstance(entry, str):
+                found[replica_id] = entry
+            else:
+                found[replica_id] = ReplicaDescription(
+                    replica_id, entry.incarnation, entry.address, "local", os.getpid(), entry.ready
+                )
+        return found
+
+
+@dataclass
+class Fleet:
+    client: FleetClient
+    bridges: list[ReplicaBridge]
+    directory: StaticDirectory
+    collected: dict[str, list[int]] = field(default_factory=dict)
+
+    def link_of(self, req_id: str) -> int:
+        return self.client._requests[req_id].replica_id
+
+    def moving(self, req_id: str) -> _Moving:
+        return self.client._requests[req_id]
+
+    def stop(self, replica_id: int) -> None:
+        """The replica stops beating and its engine stops (a hung or dead replica, as the
+        gateway sees it)."""
+        self.bridges[replica_id]._stopping.set()
+
+
+async def until(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
+        await asyncio.sleep(0.005)
+
+
+@asynccontextmanager
+async def fleet(
+    config: EngineConfig,
+    num_replicas: int,
+    *,
+    hidden: dict[int, str] | None = None,
+    replica_timeout_s: float = 1.5,
+    **options: object,
+) -> AsyncIterator[Fleet]:
+    """`num_replicas` bridges, all ready and connected to a started FleetClient, except
+    those in `hidden`, which the directory describes as the value says until the test
+    lists them."""
+    hidden = hidden or {}
+    bridges = [ReplicaBridge(config, replica_id=i) for i in range(num_replicas)]
+    for bridge in bridges:
+        bridge.start()
+    directory = StaticDirectory({i: hidden.get(i, bridge) for i, bridge in enumerate(bridges)})
+    client = FleetClient(
+        config,
+        directory,
+        replica_timeout_s=replica_timeout_s,
+        discover_interval_s=0.05,
+        **options,  # type: ignore[arg-type]
+    )
+    try:
+        await client.start()
+        shown = [i for i in range(num_replicas) if i not in hidden]
+        await until(
+            lambda: all(i in client.links and client.links[i].routable for i in shown),
+            "every listed replica ready",
+        )
+        yield Fleet(client, bridges, directory)
+    finally:
+        await client.shutdown()
+        for bridge in bridges:
+            bridge.stop()
+
+
+def request(
+    req_id: str, max_tokens: int, priority: int = PRIORITY_INTERACTIVE
+) -> EngineCoreRequest:
+    # Prompts of one length, under a block: no cached prefix for the router to follow.
+    prompt = [1, *(ord(c) for c in req_id.rjust(8, "-"))]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return EngineCoreRequest(req_id, prompt, params, time.monotonic(), priority=priority)
+
+
+async def collect(fleet_: Fleet, outputs: RequestOutputs) -> list[int]:
+    """Every token of a request's outputs, in order; they are also visible as they come in
+    `fleet_.collected[req_id]`. Raises what the request ended with, if an error."""
+    tokens = fleet_.collected.setdefault(outputs.req_id, [])
+    reasons = []
+    async for output in outputs:
+        tokens += output.new_token_ids
+        if output.finish_reason is not None:
+            reasons.append(output.finish_reason)
+    assert reasons == ["length"], reasons
+    return tokens
+
+
+def fenced_outputs(replica_id: int, incarnation: int, engine_id: str) -> ReplicaOutputs:
+    """A replica's message finishing `engine_id` with a token the fixed runner never
+    samples: taken, it would end the stream at once with the wrong token."""
+    output = EngineCoreOutput(engine_id, [BOGUS], finish_reason="stop")
+    return ReplicaOutputs(replica_id, incarnation, EngineCoreOutputs([output], time.time()))
+
+
+# -- routing ------------------------------------------------------------------------------
+
+
+def test_requests_spread_over_the_ready_replicas_only(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """Interactive requests with no prefix in common go by load, batch requests to the
+    replica with the fewest of this gateway's batch requests: an even spread over the
+    three ready replicas, none to the fourth, which Ray says is silent (still starting)."""
+
+    async def run() -> None:
+        async with fleet(config, 4, hidden={3: "silent"}) as f:
+            streams = [await f.client.submit(request(f"i{n}", 30)) for n in range(6)]
+            interactive = {i: len(link.requests) for i, link in f.client.links.items()}
+            batch = [await f.client.submit(request(f"b{n}", 30, PRIORITY_BATCH)) for n in range(6)]
+            num_batch = {i: link.num_batch for i, link in f.client.links.items()}
+            assert interactive == {0: 2, 1: 2, 2: 2, 3: 0}
+            assert num_batch == {0: 2, 1: 2, 2: 2, 3: 0}
+            assert f.client.links[3].state == "starting"
+            results = await asyncio.gather(*(collect(f, s) for s in streams + batch))
+            assert results == [[fixed_token] * 30] * 12
+            assert {i: len(link.requests) for i, link in f.client.links.items()} == dict.fromkeys(
+                range(4), 0
+            )
+            assert f.client.num_moves == 0
+
+    asyncio.run(run())
+
+
+# -- failover -----------------------------------------------------------------------------
+
+
+def test_a_silent_replicas_requests_move_and_end_with_exactly_max_tokens(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """A replica stops beating mid-stream: after the replica timeout the gateway takes it
+    for dead, and each of its requests goes on on the other replica from the tokens it
+    had: no token repeated, none missing (the stream has exactly max_tokens)."""
+
+    async def run() -> None:
+        async with fleet(config, 2) as f:
+            streams = [await f.client.submit(request(f"r{n}", 300)) for n in range(4)]
+            tasks = [asyncio.create_task(collect(f, s)) for s in streams]
+            await until(
+                lambda: all(len(f.collected.get(s.req_id, [])) >= 10 for s in streams),
+                "every stream has 10 tokens",
+            )
+            victim = f.link_of("r0")
+            moved = {s.req_id for s in streams if f.link_of(s.req_id) == victim}
+            assert len(moved) == 2
+            f.stop(victim)
+            results = await asyncio.gather(*tasks)
+            assert results == [[fixed_token] * 300] * 4
+            assert f.client.links[victim].state == "dead"
+            assert f.client.num_moves == len(moved)
+            # Still listed with the incarnation declared dead (frozen, as Ray would not
+            # notice): the gateway asks for it to be replaced, once.
+            await until(lambda: f.directory.restarts == [victim], "a replacement asked for")
+            await asyncio.sleep(3 * f.client.discover_interval_s)
+            assert f.directory.restarts == [victim]
+
+    asyncio.run(run())
+
+
+def test_outputs_of_a_fenced_incarnation_are_dropped(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """A message from an incarnation the gateway no longer talks to (an older copy of
+    the replica that Ray restarted elsewhere) is dropped: its token is not passed on, it
+    does not end the request, and it does not count as the replica speaking."""
+
+    async def run() -> None:
+        async with fleet(config, 1) as f:
+            stream = await f.client.submit(request("r", 200))
+            task = asyncio.create_task(collect(f, stream))
+            await until(lambda: len(f.collected.get("r", [])) >= 5, "5 tokens")
+            link = f.client.links[0]
+            assert link.incarnation is not None
+            old = link.incarnation - 1
+            engine_id = f.moving("r").engine_id
+            assert engine_id == "r/0"
+            heard = link.last_heard
+            f.client._received(ReplicaBeat(0, old, None, None, None, 0.0, 0))
+            f.client._received(fenced_outputs(0, old, engine_id))
+            assert link.last_heard == heard and link.info is not None
+            assert BOGUS not in f.moving("r").received
+            assert "r" in f.client._requests  # not ended
+            assert await task == [fixed_token] * 200
+
+    asyncio.run(run())
+
+
+def test_outputs_of_an_older_attempt_are_dropped(config: EngineConfig, fixed_token: int) -> None:
+    """Once a request moved (attempt 1), an output for its attempt 0, even from the
+    replica it now runs on, is dropped; the request ends with exactly max_tokens."""
+
+    async def run() -> None:
+        async with fleet(config, 2) as f:
+            stream = await f.client.submit(request("r", 300))
+            task = asyncio.create_task(collect(f, stream))
+            await until(lambda: len(f.collected.get("r", [])) >= 10, "10 tokens")
+            first = f.link_of("r")
+            f.stop(first)
+            await until(
+                lambda: f.moving("r").attempt == 1 and f.link_of("r") == 1 - first,
+                "the request moved to the other replica",
+            )
+            link = f.client.links[1 - first]
+            assert f.moving("r").engine_id == "r/1"
+            assert link.incarnation is not None
+            f.client._received(fenced_outputs(link.replica_id, link.incarnation, "r/0"))
+            assert BOGUS not in f.moving("r").received
+            assert "r" in f.client._requests
+            assert await task == [fixed_token] * 300
+
+    asyncio.run(run())
+
+
+def test_a_request_moved_more_than_max_moves_ends_with_engine_dead_error(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """max_moves=1: the request survives its first replica's death, and its second
+    replica's death ends it with EngineDeadError (the tokens before it stay delivered)."""
+
+    async def run() -> None:
+        async with fleet(config, 2, max_moves=1) as f:
+            stream = await f.client.submit(request("r", 1000))
+            task = asyncio.create_task(collect(f, stream))
+            await until(lambda: len(f.collected.get("r", [])) >= 10, "10 tokens")
+            first = f.link_of("r")
+            f.stop(first)
+            await until(lambda: f.moving("r").attempt == 1, "the first move")
+            count = len(f.collected["r"])
+            await until(lambda: len(f.collected["r"]) >= count + 10, "10 tokens after the move")
+            f.stop(1 - first)
+            with pytest.raises(EngineDeadError, match="moved 1 times"):
+                await task
+            assert set(f.collected["r"]) == {fixed_token}
+            assert len(f.collected["r"]) < 1000
+            assert f.client._requests == {} and f.client.num_moves == 1
+
+    asyncio.run(run())
+
+
+def test_a_moved_request_waits_for_a_ready_replica_and_goes_to_it(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """Its replica dead and none other ready, a request is parked (not failed); when a
+    replica becomes ready, it is placed there and ends with exactly max_tokens."""
+
+    async def run() -> None:
+        async with fleet(config, 2, hidden={1: "silent"}) as f:
+            stream = await f.client.submit(request("r", 300))
+            task = asyncio.create_task(collect(f, stream))
+            await until(lambda: len(f.collected.get("r", [])) >= 10, "10 tokens")
+            assert f.link_of("r") == 0
+            f.stop(0)
+            await until(lambda: f.moving("r").parked_at is not None, "the request parked")
+            parked = len(f.collected["r"])
+            await asyncio.sleep(0.3)  # several watchdog rounds: it stays parked
+            assert f.moving("r").parked_at is not None and f.link_of("r") == -1
+            assert not task.done() and len(f.collected["r"]) == parked
+            f.directory.entries[1] = f.bridges[1]  # the replica comes up
+            assert await task == [fixed_token] * 300
+            assert f.client.links[1].state == "ready" and f.client.num_moves == 1
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("ray_says", ["dead", "restarting"])
+def test_a_replica_ray_reports_down_is_dead_to_the_gateway_at_once(
+    config: EngineConfig, fixed_token: int, ray_says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ray's word is enough: the replica is dead to the gateway at the next look (not
+    after a silence: the replica still beats, and the timeout is long), its requests move,
+    and what the old incarnation still sends (it never got an abort: the link is closed)
+    is dropped: the stream has exactly max_tokens."""
+
+    async def run() -> None:
+        async with fleet(config, 2, replica_timeout_s=600.0) as f:
+            stream = await f.client.submit(request("r", 300))
+            task = asyncio.create_task(collect(f, stream))
+            await until(lambda: len(f.collected.get("r", [])) >= 10, "10 tokens")
+            victim = f.link_of("r")
+            with caplog.at_level(logging.ERROR, logger="tokenfleet.cluster.client"):
+                f.directory.entries[victim] = ray_says
+                await until(lambda: f.client.links[victim].state == "dead", "the replica dead")
+            assert f"Ray reports it {ray_says}" in caplog.text
+            assert await task == [fixed_token] * 300
+            assert f.client.num_moves == 1
+
+    asyncio.run(run())
