@@ -4,6 +4,7 @@ scripts run as `python bench/<script>.py`, so bench/ is on sys.path).
     log          a timestamped progress line
     results      tables, a run's JSON and PNG, the machine it ran on, CPU busyness
     server       free ports; `tokenfleet serve` and peer servers started, awaited, stopped
+    fleet        `serve --replicas N` on a Ray instance of its own, awaited until all are ready
     calibration  the mixed-load calibration (decode step, prefill rate, capacity, targets)
     batch        the mixed-load benchmark's batch added straight to an engine
     stats        percentiles the tokenfleet.loadgen one does not cover

@@ -117,16 +117,21 @@ def started(
 
 
 def tokenfleet_serve(
-    name: str, tmp: Path, flags: Sequence[str], timeout_s: float = 300
+    name: str,
+    tmp: Path,
+    flags: Sequence[str],
+    timeout_s: float = 300,
+    env: dict[str, str] | None = None,
 ) -> AbstractContextManager[Server]:
     """`tokenfleet serve` on a free port of 127.0.0.1 with `flags` and its own data folder
-    under `tmp`, ready when /health answers (`Server.ready["engine_pid"]`)."""
+    under `tmp`, ready when /health answers (`Server.ready["engine_pid"]`); `env`: variables
+    set beside this process's own (RAY_TMPDIR for a fleet's local Ray instance)."""
     port = free_port()
     argv = [sys.executable, "-m", "tokenfleet.cli", "serve", "--host", "127.0.0.1"]
     argv += ["--port", str(port), "--data-dir", tempfile.mkdtemp(prefix=f"{name}-data-", dir=tmp)]
     argv += list(flags)
     url = f"http://127.0.0.1:{port}"
-    return started(name, argv, url, "/health", tmp / f"{name}.log", None, timeout_s)
+    return started(name, argv, url, "/health", tmp / f"{name}.log", env, timeout_s)
 
 
 def tokenfleet_server(

@@ -362,3 +362,26 @@ def test_a_replica_ray_reports_down_is_dead_to_the_gateway_at_once(
             assert f.client.num_moves == 1
 
     asyncio.run(run())
+
+
+def test_what_a_replica_reports_replaces_what_the_gateway_counted_itself(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """Prompts the gateway sent count as ahead in a replica's queue only until the
+    replica's reports include them: after more requests than the replica has sequence
+    slots, one after another, admission still admits and the router still sees an idle
+    replica (a gateway that never forgot them would refuse everything from then on)."""
+
+    async def run() -> None:
+        async with fleet(config, 1) as f:
+            for n in range(config.scheduler.max_num_seqs + 8):
+                stream = await f.client.submit(request(f"r{n}", 2))
+                assert await collect(f, stream) == [fixed_token] * 2
+            link = f.client.links[0]
+            await until(lambda: not link.ahead, "every prompt sent counted in a report")
+            assert link.num_reports > 2
+            verdict = f.client.predict_ttft(100)
+            assert verdict is not None and verdict.admitted
+            assert f.client.router.views[0].load == 0
+
+    asyncio.run(run())

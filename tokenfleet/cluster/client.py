@@ -62,6 +62,11 @@ from tokenfleet.policy.admission import Verdict
 logger = logging.getLogger(__name__)
 
 
+# A replica whose connection closed and that has not spoken this long since is dead (a
+# network blip reconnects, and the replica's next beat, within it).
+DISCONNECT_GRACE_S = 0.3
+
+
 class Directory(Protocol):
     """Where the replicas are: Ray (placement.RayFleet), or a fixed list in tests."""
 
@@ -200,7 +205,7 @@ class FleetClient:
         the target (Retry-After: the excess, whole seconds, at least 1)."""
         best = min(
             (
-                self.ttft.predict(link.stats, num_prompt_tokens, link.unreported)
+                self.ttft.predict(link.stats, num_prompt_tokens, link.ahead)
                 for link in self._ready_links()
             ),
             default=0.0,
@@ -267,7 +272,7 @@ class FleetClient:
 
         def meets_target(replica_id: int, uncached: int) -> bool:
             link = self.links[replica_id]
-            return self.ttft.meets(self.ttft.predict(link.stats, uncached, link.unreported))
+            return self.ttft.meets(self.ttft.predict(link.stats, uncached, link.ahead))
 
         replica_id, uncached = self.router.route(
             tokens,
@@ -276,7 +281,8 @@ class FleetClient:
             meets_target=meets_target,
         )
         moving.routed_tokens = uncached
-        self.links[replica_id].unreported.append(uncached)
+        link = self.links[replica_id]
+        link.unreported.append((link.num_reports, uncached))
         return self.links[replica_id]
 
     def _place(self, moving: _Moving, num_pending: int | None = None) -> bool:
@@ -468,10 +474,22 @@ class FleetClient:
                 if link.beat is None and link.state == "starting":
                     link.send(ping)
         for link in list(self.links.values()):
-            if link.socket is None or link.state == "dead" or late:
+            if link.socket is None or link.state == "dead":
                 continue
-            if now - link.last_heard > self.replica_timeout_s:
-                silence = now - link.last_heard
+            link.check_connection(now)
+            if late:
+                continue
+            silence = link.silent_for(now)
+            if link.disconnected_at is not None and now - link.disconnected_at > DISCONNECT_GRACE_S:
+                self._replica_dead(
+                    link, f"its connection closed {silence:.1f} s after it last spoke"
+                )
+            elif link.state == "starting" and link.info is None:
+                # Loading its model (16 replicas loading at once starve each other's beats):
+                # judged by the start-up timeout.
+                if silence > self.startup_timeout_s:
+                    self._replica_dead(link, f"silent for {silence:.0f} s while starting")
+            elif silence > self.replica_timeout_s:
                 self._replica_dead(link, f"silent for {silence:.1f} s")
         self._unpark()
         return next_ping
@@ -489,9 +507,11 @@ class FleetClient:
         if link is None or message.incarnation != link.incarnation:
             return  # fenced: an incarnation this gateway no longer talks to
         now = link.last_heard = time.monotonic()
+        link.disconnected_at = None  # it speaks: connected again
         if isinstance(message, ReplicaBeat):
             link.beat = message
-            link.stats = message.stats or link.stats
+            if message.stats is not None:
+                self._reported(link, message.stats)
             link.info = message.info
             if message.info is not None and link.state == "starting":
                 link.state = "ready"
@@ -500,7 +520,7 @@ class FleetClient:
                 self._unpark()
         elif isinstance(message, ReplicaOutputs):
             if message.outputs.stats is not None:
-                link.stats = message.outputs.stats
+                self._reported(link, message.outputs.stats)
             for output in message.outputs.outputs:
                 self._output(link, output, now)
         elif isinstance(message, ReplicaRejected):
@@ -512,7 +532,7 @@ class FleetClient:
 
     def _reported(self, link: ReplicaLink, stats: SchedulerStats) -> None:
         link.stats = stats
-        link.unreported.clear()  # what this gateway sent before is in the report now
+        link.reported()
         self.router.report(link.replica_id, stats.num_running + stats.num_waiting)
 
     def _current(self, engine_id: str, link: ReplicaLink) -> _Moving | None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from tokenfleet.cluster.wire import ReplicaBeat
 from tokenfleet.core.engine_api import SchedulerStats
@@ -40,8 +41,14 @@ class ReplicaLink:
     restarts: int = 0  # new incarnations seen after the first
     requests: set[str] = field(default_factory=set)  # this gateway's requests on it
     num_batch: int = 0  # of those, batch requests
-    # Interactive prompts (uncached tokens) sent since its last report: ahead in its queue.
-    unreported: list[int] = field(default_factory=list)
+    # Interactive prompts sent lately, (reports seen when sent, uncached tokens): ahead in
+    # its queue until a report surely counts them (`reported`).
+    unreported: list[tuple[int, int]] = field(default_factory=list)
+    num_reports: int = 0
+    # When the connection to it closed (its process died, or the network broke) and it
+    # has not been heard from since; None while connected.
+    disconnected_at: float | None = None
+    monitor: zmq.Socket[bytes] | None = None
 
     @property
     def routable(self) -> bool:
@@ -54,15 +61,47 @@ class ReplicaLink:
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 100_000)
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not connected
+        # The kernel closes a dead process's connections at once: a disconnect says in
+        # milliseconds what silence says only after the replica timeout.
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(self.address)
         self.socket = socket
         self.last_heard = time.monotonic()
+        self.disconnected_at = None
 
     def close(self) -> None:
         self.unreported.clear()
         if self.socket is not None:
+            if self.monitor is not None:
+                self.socket.disable_monitor()
+                self.monitor.close(linger=0)
+                self.monitor = None
             self.socket.close(linger=0)
             self.socket = None
+
+    def check_connection(self, now: float) -> None:
+        """Note a disconnect of the socket to the replica since the last look."""
+        while self.monitor is not None:
+            try:
+                event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED and self.disconnected_at is None:
+                self.disconnected_at = now
+
+    def silent_for(self, now: float) -> float:
+        return now - self.last_heard
+
+    @property
+    def ahead(self) -> list[int]:
+        """The prompts this gateway sent that its last report may not count yet."""
+        return [tokens for _, tokens in self.unreported]
+
+    def reported(self) -> None:
+        """A report came: prompts sent two reports ago or more are in it (requests and
+        reports travel on different sockets, so the one just after a send may miss it)."""
+        self.num_reports += 1
+        self.unreported = [(n, t) for n, t in self.unreported if n >= self.num_reports - 1]
 
     def send(self, data: bytes) -> bool:
         """Send without waiting; False if the replica is not connected (or its queue is
