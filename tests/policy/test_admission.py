@@ -417,6 +417,9 @@ class _Engine:
     def is_healthy(self) -> bool:
         return True
 
+    def predict_ttft(self, num_prompt_tokens: int) -> None:
+        return None  # one engine: the service's own admission judges
+
     async def submit(self, request: EngineCoreRequest, on_the_way: int | None = None) -> _Outputs:
         queue = self.outputs[request.req_id] = asyncio.Queue()
         return _Outputs(queue)

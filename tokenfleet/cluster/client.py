@@ -62,9 +62,9 @@ from tokenfleet.policy.admission import Verdict
 logger = logging.getLogger(__name__)
 
 
-# A replica whose connection closed and that has not spoken this long since is dead (a
-# network blip reconnects, and the replica's next beat, within it).
-DISCONNECT_GRACE_S = 0.3
+# A replica whose connection closed and has not connected again this long after is dead
+# (a killed process's port refuses at once; a network blip reconnects within it).
+DISCONNECT_GRACE_S = 0.5
 
 
 class Directory(Protocol):
@@ -477,13 +477,14 @@ class FleetClient:
             if link.socket is None or link.state == "dead":
                 continue
             link.check_connection(now)
-            if late:
-                continue
             silence = link.silent_for(now)
-            if link.disconnected_at is not None and now - link.disconnected_at > DISCONNECT_GRACE_S:
-                self._replica_dead(
-                    link, f"its connection closed {silence:.1f} s after it last spoke"
-                )
+            closed = link.disconnected_at
+            if closed is not None and now - closed > DISCONNECT_GRACE_S:
+                # Not a silence: a late loop changes nothing (messages sent before it
+                # closed say nothing of after).
+                self._replica_dead(link, f"its connection closed {now - closed:.1f} s ago")
+            elif late:
+                continue
             elif link.state == "starting" and link.info is None:
                 # Loading its model (16 replicas loading at once starve each other's beats):
                 # judged by the start-up timeout.
@@ -507,7 +508,6 @@ class FleetClient:
         if link is None or message.incarnation != link.incarnation:
             return  # fenced: an incarnation this gateway no longer talks to
         now = link.last_heard = time.monotonic()
-        link.disconnected_at = None  # it speaks: connected again
         if isinstance(message, ReplicaBeat):
             link.beat = message
             if message.stats is not None:

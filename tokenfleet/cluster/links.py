@@ -45,8 +45,8 @@ class ReplicaLink:
     # its queue until a report surely counts them (`reported`).
     unreported: list[tuple[int, int]] = field(default_factory=list)
     num_reports: int = 0
-    # When the connection to it closed (its process died, or the network broke) and it
-    # has not been heard from since; None while connected.
+    # When the connection to it closed (its process died, or the network broke), until it
+    # connects again; None while connected.
     disconnected_at: float | None = None
     monitor: zmq.Socket[bytes] | None = None
 
@@ -63,7 +63,7 @@ class ReplicaLink:
         socket.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a peer not connected
         # The kernel closes a dead process's connections at once: a disconnect says in
         # milliseconds what silence says only after the replica timeout.
-        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
         socket.connect(self.address)
         self.socket = socket
         self.last_heard = time.monotonic()
@@ -80,13 +80,15 @@ class ReplicaLink:
             self.socket = None
 
     def check_connection(self, now: float) -> None:
-        """Note a disconnect of the socket to the replica since the last look."""
+        """Follow the socket's connection to the replica since the last look."""
         while self.monitor is not None:
             try:
                 event = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED and self.disconnected_at is None:
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.disconnected_at = None
+            elif self.disconnected_at is None:
                 self.disconnected_at = now
 
     def silent_for(self, now: float) -> float:
