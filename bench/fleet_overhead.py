@@ -15,10 +15,9 @@ warm-up of the same on each. Reports per server the sequential latency median an
 and the burst's median TTFT over all rounds, and the ratios fleet-N / fleet-1 (and
 fleet-1 / plain). The resident memory of each server's processes and its start time.
 
-The fleets run with --replica-timeout 10 (not the default 1.5): while 16 replicas start
-on 2 cores, a replica still loading may not answer the gateway's ping within 1.5 s, and
-the gateway fences it for good (cluster/client.py judges a starting replica's silence as a
-ready one's); nothing in this benchmark kills a replica.
+The fleets run with --replica-timeout 10 (not the default 1.5): nothing here kills a
+replica, and on a busy 2-core machine a ready replica's beat can come late by more than
+1.5 s, which would move requests and skew the figures.
 
     .venv/bin/python bench/fleet_overhead.py                       # ~4 minutes on 2 cores
     .venv/bin/python bench/fleet_overhead.py --replicas 4 --rounds 2 --sequential 30 \\
