@@ -385,3 +385,42 @@ def test_what_a_replica_reports_replaces_what_the_gateway_counted_itself(
             assert f.client.router.views[0].load == 0
 
     asyncio.run(run())
+
+
+def test_sixteen_replicas_keep_each_shared_prefix_on_one_and_spread_the_prefixes(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """The router at a fleet's scale, through FleetClient: 16 replicas, 6 system prompts
+    of 8 blocks, 5 users each (a distinct suffix), in rounds of concurrent requests. Every
+    request of a prompt after its first goes to the replica that has it (its prefix cache:
+    the replicas' own hit counts say so), and the 6 prompts land on 6 different replicas."""
+    block = config.cache.block_size
+    prompts = [[1000 * (p + 1) + t for t in range(8 * block)] for p in range(6)]
+
+    async def run() -> None:
+        async with fleet(config, 16) as f:
+            placed: dict[int, set[int]] = {p: set() for p in range(len(prompts))}
+            for user in range(5):
+                streams = []
+                for p, system in enumerate(prompts):
+                    req = request(f"p{p}-u{user}", 4)
+                    req.prompt_token_ids = [*system, 7, user, p]
+                    streams.append((p, await f.client.submit(req)))
+                for p, stream in streams:
+                    placed[p].add(f.link_of(stream.req_id))
+                results = await asyncio.gather(*(collect(f, s) for _, s in streams))
+                assert results == [[fixed_token] * 4] * len(prompts)
+            assert all(len(replicas) == 1 for replicas in placed.values()), placed
+            holders = {next(iter(r)) for r in placed.values()}
+            assert len(holders) == len(prompts)
+            # Each prompt's later 4 requests hit its 8 blocks on the replica that holds it.
+            await until(
+                lambda: all(
+                    f.client.links[r].stats is not None
+                    and f.client.links[r].stats.num_prefix_hit_tokens == 4 * 8 * block
+                    for r in holders
+                ),
+                "every holder's hits reported",
+            )
+
+    asyncio.run(run())
