@@ -127,6 +127,9 @@ class EngineConfig:
     the TPOT target itself (harvest.with_floor). With no interactive work in a step,
     batch fills it, within `batch_step_limit_s` where set: an interactive arrival waits for
     the step in progress (None: no limit, throughput first).
+    A constrained request (SamplingParams.constraint) waits out of the scheduler while its
+    constraint compiles; one not compiled within `grammar_compile_timeout_s` of its arrival
+    ends with an error, the others going on.
     """
 
     model: str | None = None
@@ -152,8 +155,13 @@ class EngineConfig:
     # "priority": interactive before batch, batch inside the harvest budget. "fcfs": one
     # class in arrival order and no harvest budget (vLLM's default), for comparisons.
     scheduling_policy: str = "priority"
+    grammar_compile_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError(
+                f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}"
+            )
         if self.scheduling_policy not in ("priority", "fcfs"):
             raise ValueError(
                 f"scheduling_policy must be 'priority' or 'fcfs', got {self.scheduling_policy!r}"

@@ -5,6 +5,8 @@ A msgspec Struct so that it crosses the process boundary as it is.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from tokenfleet.errors import InvalidRequestError
@@ -12,6 +14,59 @@ from tokenfleet.errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency penalties, OpenAI's range
 MAX_LOGIT_BIAS = 100.0
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_CONSTRAINT_SPEC_CHARS = 1 << 17  # a JSON schema, regex or grammar of 128 Ki characters
+
+ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+
+
+class Constraint(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a constrained request's output must match, as its specification: the replica
+    compiles it against its own tokenizer (runner/grammar.py).
+
+    `kind` "json_schema": `spec` is the schema as JSON text (an object); "json_object":
+    any JSON object, `spec` empty; "regex": `spec` is a regular expression the whole
+    output matches; "grammar": `spec` is a Lark grammar (llguidance's dialect, which can
+    embed JSON schemas with `%json`: a tool call's syntax). Only the form is checked
+    here; whether the replica supports every feature it uses is known once it compiles
+    it (an unsupported one ends the request with an error that names it).
+    """
+
+    kind: ConstraintKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidRequestError(
+                f"constraint: kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {self.kind!r}",
+                param="constraint",
+            )
+        if len(self.spec) > MAX_CONSTRAINT_SPEC_CHARS:
+            raise InvalidRequestError(
+                f"constraint: the {self.kind} spec is {len(self.spec)} characters, over the "
+                f"limit of {MAX_CONSTRAINT_SPEC_CHARS}",
+                param="constraint",
+            )
+        if self.kind == "json_object":
+            if self.spec:
+                raise InvalidRequestError(
+                    "constraint: a json_object constraint takes no spec", param="constraint"
+                )
+        elif not self.spec:
+            raise InvalidRequestError(
+                f"constraint: a {self.kind} constraint needs a spec", param="constraint"
+            )
+        elif self.kind == "json_schema":
+            try:
+                schema = msgspec.json.decode(self.spec)
+            except msgspec.DecodeError as exc:
+                raise InvalidRequestError(
+                    f"constraint: the JSON schema is not valid JSON: {exc}", param="constraint"
+                ) from exc
+            if not isinstance(schema, dict):
+                raise InvalidRequestError(
+                    "constraint: the JSON schema must be a JSON object", param="constraint"
+                )
 
 
 class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -27,6 +82,10 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     presence_penalty if it has generated it at all. `logit_bias`: (token id, bias) pairs
     added to those tokens' logits. Both before temperature, greedy included; logprobs stay
     the model's own.
+
+    `constraint`: the output must match it (a JSON schema, any JSON object, a regex or a
+    grammar): tokens it does not allow are never sampled, greedy included, and the request
+    ends ("stop") once it is complete. Logprobs stay those of the model's own distribution.
     """
 
     max_tokens: int = 16
@@ -41,6 +100,7 @@ class SamplingParams(msgspec.Struct, frozen=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or self.max_tokens < 1:

@@ -9,7 +9,7 @@ tokens. Time is passed in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from tokenfleet.config import SchedulerConfig
 from tokenfleet.core.block_pool import KVCacheBlock
@@ -186,9 +186,14 @@ class Scheduler(StepPlanner):
     # -- results -------------------------------------------------------------------
 
     def update(
-        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+        self,
+        scheduler_output: SchedulerOutput,
+        runner_output: ModelRunnerOutput,
+        completed: Collection[str] = (),
     ) -> list[EngineCoreOutput]:
-        """Append sampled tokens, stop what is done, and say what each request gained."""
+        """Append sampled tokens, stop what is done, and say what each request gained.
+        `completed`: requests whose constraint is complete with this step's token (their
+        grammar allows nothing more): they end with "stop"."""
         outputs = []
         finished = []
         for scheduled in scheduler_output.scheduled:
@@ -203,7 +208,7 @@ class Scheduler(StepPlanner):
             if token_id is None:
                 continue
             request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
+            status = self._check_stop(request, token_id, request.req_id in completed)
             logprobs = runner_output.logprobs.get(scheduled.req_id)
             output = EngineCoreOutput(
                 request.req_id,
@@ -226,13 +231,19 @@ class Scheduler(StepPlanner):
             self.running = [r for r in self.running if r.req_id not in done]
         return outputs
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _check_stop(
+        self, request: Request, token_id: int, completed: bool = False
+    ) -> RequestStatus | None:
         params = request.sampling_params
         if not params.ignore_eos and token_id == request.eos_token_id:
             request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             request.stop_token_id = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if completed:  # before length: the output is whole even at its last allowed token
+            if token_id == request.eos_token_id:  # EOS ended the grammar under ignore_eos
+                request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH

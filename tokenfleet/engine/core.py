@@ -9,14 +9,25 @@ step within the TPOT target.
 Requests and aborts arrive between steps; each step returns one EngineCoreOutputs that
 lists every request that gained tokens or finished. Everything in and out is plain data
 (outputs.py), so the core can sit behind a process boundary.
+
+A constrained request (SamplingParams.constraint) enters the scheduler only once its
+constraint is compiled (runner/grammar.py, worker threads): until then it waits here, in
+`_compiling`, and the steps go on without it. Each step fills the constrained rows' token
+masks beside the forward pass and advances their matchers with the sampled tokens.
+
+(Over 400 lines: admission, the step and the stats read the same per-request bookkeeping,
+the classes requests came as, their first-token times and the compiles they wait for.)
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, replace
 
+import llguidance
+import msgspec
 import torch
 
 from tokenfleet import envs
@@ -38,9 +49,19 @@ from tokenfleet.models.config import ModelConfig
 from tokenfleet.policy.harvest import PriorityBudgets
 from tokenfleet.policy.step_model import StepModelConfig, StepTimeModel, step_features
 from tokenfleet.runner.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
+from tokenfleet.runner.grammar import ConstraintError, GrammarCompiler, Matchers
 from tokenfleet.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiling:
+    """A constrained request waiting for its constraint's compile, and until when."""
+
+    request: Request
+    future: Future[llguidance.LLMatcher]
+    deadline: float
 
 
 class EngineCore:
@@ -95,6 +116,25 @@ class EngineCore:
             self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
         )
         self._pending: list[EngineCoreOutput] = []
+        # Constrained decoding: constraints compiled off the step path; the matchers of the
+        # admitted constrained requests; those still waiting for their compile, by id. With
+        # no compiler (the fixed runner cannot honour a constraint; a tokenizer llguidance
+        # cannot read) constrained requests are refused, saying why.
+        eos_ids = self.model_config.eos_token_ids
+        self.grammar: GrammarCompiler | None = None
+        self._no_grammar = "this replica runs the fixed runner, which cannot honour a constraint"
+        if isinstance(self.runner, ModelRunner):
+            try:
+                self.grammar = GrammarCompiler(
+                    self.model_folder / "tokenizer.json", self.model_config.vocab_size, eos_ids
+                )
+            except Exception as exc:  # the model serves all the same, unconstrained
+                logger.warning("constrained decoding is off: %s", exc)
+                self._no_grammar = f"this replica cannot compile constraints: its tokenizer: {exc}"[
+                    :500
+                ]
+        self.matchers = Matchers(self.model_config.vocab_size, eos_ids)
+        self._compiling: dict[str, _Compiling] = {}
         # Predicts a step's runner time (the harvest budget, admission control); profiled
         # now, refitted from every step. The fixed runner does no work worth modelling.
         self.step_model = StepTimeModel(step_model_config)
@@ -174,25 +214,38 @@ class EngineCore:
                 f"{self.max_model_len}",
                 param="max_tokens",
             )
-        if request.req_id in self.scheduler.requests:
+        if request.req_id in self.scheduler.requests or request.req_id in self._compiling:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use", param="req_id")
+        if params.constraint is not None and self.grammar is None:
+            raise InvalidRequestError(self._no_grammar, param="constraint")
         fcfs = self.config.scheduling_policy == "fcfs"
         interactive = request.priority <= PRIORITY_INTERACTIVE
-        # Into the scheduler first: should that raise, nothing else holds the request.
-        self.scheduler.add_request(
-            Request(
-                request.req_id,
-                prompt,
-                request.sampling_params,
-                arrival_time=request.arrival_time,
-                eos_token_id=self.eos_token_id,
-                # FCFS: one class, so arrival order alone decides.
-                priority=0 if fcfs else request.priority,
-                deadline=request.deadline,
-                cache_salt=request.cache_salt,
-                output_token_ids=earlier,
-            )
+        scheduled = Request(
+            request.req_id,
+            prompt,
+            request.sampling_params,
+            arrival_time=request.arrival_time,
+            eos_token_id=self.eos_token_id,
+            # FCFS: one class, so arrival order alone decides.
+            priority=0 if fcfs else request.priority,
+            deadline=request.deadline,
+            cache_salt=request.cache_salt,
+            output_token_ids=earlier,
         )
+        if params.constraint is None or self.grammar is None:
+            # Into the scheduler first: should that raise, nothing else holds the request.
+            self.scheduler.add_request(scheduled)
+        else:
+            # Waits out of the scheduler until its matcher exists; a cached compile at once.
+            waiting = _Compiling(
+                scheduled,
+                self.grammar.compile(params.constraint),
+                time.monotonic() + self.config.grammar_compile_timeout_s,
+            )
+            if waiting.future.done():
+                self._admit(waiting)
+            else:
+                self._compiling[request.req_id] = waiting
         if fcfs and not interactive:
             self._fcfs_batch.add(request.req_id)
         self._taken.append((request.req_id, "interactive" if interactive else "batch"))
@@ -222,7 +275,46 @@ class EngineCore:
                 param="prompt_logprobs",
             )
 
+    def _admit(self, waiting: _Compiling) -> None:
+        """A compiled request into the scheduler with its matcher, or ended with the error
+        that its constraint's compile, or replaying its earlier outputs, gave."""
+        request = waiting.request
+        try:
+            self.matchers.add(
+                request.req_id,
+                waiting.future.result(),
+                request.sampling_params,
+                request.output_token_ids,
+            )
+        except ConstraintError as exc:
+            self._pending.append(self._error(request.req_id, f"constraint: {exc}"))
+        except Exception as exc:  # the compile's own failure: this request's alone
+            logger.exception("request %s: compiling its constraint failed", request.req_id)
+            message = f"constraint: compiling it failed: {type(exc).__name__}: {exc}"
+            self._pending.append(self._error(request.req_id, message[:500]))
+        else:
+            self.scheduler.add_request(request)
+
+    def _admit_compiled(self, now: float) -> None:
+        """The waiting requests whose compile ended, in; those past their time limit, out."""
+        for req_id, waiting in list(self._compiling.items()):
+            if waiting.future.done():
+                del self._compiling[req_id]
+                self._admit(waiting)
+            elif now >= waiting.deadline:
+                del self._compiling[req_id]
+                limit = self.config.grammar_compile_timeout_s
+                message = f"constraint: compiling it took over the limit of {limit:g} s"
+                self._pending.append(self._error(req_id, message))
+
+    @staticmethod
+    def _error(req_id: str, message: str) -> EngineCoreOutput:
+        return EngineCoreOutput(req_id, [], finish_reason="error", error=message)
+
     def abort(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            if self._compiling.pop(req_id, None) is not None:
+                self._pending.append(EngineCoreOutput(req_id, [], finish_reason="abort"))
         self._pending.extend(self.scheduler.abort_requests(req_ids))
         self._forget(req_ids)
 
@@ -232,13 +324,14 @@ class EngineCore:
         already gets its error output all the same. Returns the outputs to send."""
         ids = list(errors)
         self.scheduler.abort_requests(ids)
+        for req_id in ids:
+            self._compiling.pop(req_id, None)
         self._forget(ids)
-        return [
-            EngineCoreOutput(req_id, [], finish_reason="error", error=message)
-            for req_id, message in errors.items()
-        ]
+        return [self._error(req_id, message) for req_id, message in errors.items()]
 
     def _forget(self, req_ids: list[str]) -> None:
+        if self.matchers:
+            self.matchers.remove(req_ids)
         self._fcfs_batch.difference_update(req_ids)
         for req_id in req_ids:
             self._awaiting_first.pop(req_id, None)
@@ -247,13 +340,33 @@ class EngineCore:
             self._taken = [t for t in self._taken if t[0] not in aborted]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests not yet finished: in the scheduler, waiting for their compile, or ended
+        with an output the next step sends (an abort's, a failed compile's)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling or self._pending)
 
     def has_pending_outputs(self) -> bool:
-        """Abort acknowledgements waiting for the next step's message."""
+        """Abort acknowledgements and errors waiting for the next step's message."""
         return bool(self._pending)
 
+    def has_step_work(self) -> bool:
+        """Whether a step now has anything to do: requests in the scheduler, outputs to
+        send, or a compile that ended or ran out of time (its request to admit or end).
+        False while the only requests wait for compiles: the engine's loop then polls for
+        input instead of stepping (step() would wait for them)."""
+        if self.scheduler.has_unfinished_requests() or self._pending:
+            return True
+        now = time.monotonic()
+        return any(w.future.done() or now >= w.deadline for w in self._compiling.values())
+
     def step(self, now: float | None = None) -> EngineCoreOutputs:
+        if self._compiling:
+            if not self.scheduler.has_unfinished_requests() and not self._pending:
+                # Nothing else to do: wait for the first compile to end (or time out).
+                first = min(w.deadline for w in self._compiling.values())
+                futures = {w.future for w in self._compiling.values()}
+                timeout = max(0.0, first - time.monotonic())
+                wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+            self._admit_compiled(time.monotonic())
         if self._taken:
             started = time.monotonic()
             for req_id, label in self._taken:
@@ -274,11 +387,34 @@ class EngineCore:
             self.last_prediction = None
         else:
             self.last_prediction = self.step_model.predict(features)
+        # The constrained rows' masks fill in a thread beside the forward pass.
+        masks = self.matchers.start_fill(scheduler_output) if self.matchers else None
         began = time.perf_counter()
-        runner_output = self.runner.execute(scheduler_output)
+        if masks is None:
+            runner_output = self.runner.execute(scheduler_output)
+        else:
+            assert isinstance(self.runner, ModelRunner)  # the only runner that takes them
+            try:
+                runner_output = self.runner.execute(scheduler_output, masks)
+            finally:
+                masks.wait()  # never leave the fill running past the step
         if not scheduler_output.is_empty:
             self.step_model.observe(features, time.perf_counter() - began)
-        outputs = self._pending + self.scheduler.update(scheduler_output, runner_output)
+        completed: set[str] = set()
+        if masks is not None:
+            completed, rejected = self.matchers.advance(
+                runner_output.sampled_token_ids, masks.req_ids
+            )
+            if rejected:  # no token for them: they end with the error below
+                sampled = runner_output.sampled_token_ids
+                runner_output = msgspec.structs.replace(
+                    runner_output,
+                    sampled_token_ids={k: v for k, v in sampled.items() if k not in rejected},
+                    failed={**runner_output.failed, **rejected},
+                )
+        outputs = self._pending + self.scheduler.update(scheduler_output, runner_output, completed)
+        if self.matchers:
+            self.matchers.remove([o.req_id for o in outputs if o.finished])
         failed = runner_output.failed
         if failed:  # gained no token this step (update passed them over): ended here
             outputs += self.fail_requests(failed)
@@ -302,6 +438,13 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         errors = self.step_model.prediction_error_quantiles((0.5, 0.99))
         scheduler = self.scheduler
+        batch_ids = self._fcfs_batch
+
+        def interactive(request: Request) -> bool:
+            if batch_ids:
+                return request.req_id not in batch_ids
+            return request.is_interactive
+
         if self._fcfs_batch:  # one scheduling class: count by the class each came as
             batch = self._fcfs_batch
             num_running_interactive = sum(r.req_id not in batch for r in scheduler.running)
@@ -313,12 +456,9 @@ class EngineCore:
                 for p in scheduler.waiting.priorities
                 if p <= PRIORITY_INTERACTIVE
             )
-        batch_ids = self._fcfs_batch
-
-        def interactive(request: Request) -> bool:
-            if batch_ids:
-                return request.req_id not in batch_ids
-            return request.is_interactive
+        # Requests waiting for their constraint's compile count as waiting.
+        num_waiting = len(scheduler.waiting) + len(self._compiling)
+        num_waiting_interactive += sum(interactive(w.request) for w in self._compiling.values())
 
         prefill_left: list[int] = []
         decoding = {"interactive": 0, "batch": 0}
@@ -343,7 +483,7 @@ class EngineCore:
         )
         return SchedulerStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=num_waiting,
             num_kv_blocks_used=self.kv.pool.num_used_blocks,
             num_kv_blocks_total=self.kv.pool.num_blocks,
             num_prefix_query_tokens=self.kv.num_prefix_queries,
@@ -355,7 +495,7 @@ class EngineCore:
             step_time_coefficients=self.step_model.coefficients,
             step_time_profile=self.step_model.profile_coefficients,
             num_running_by_class=_by_class(num_running_interactive, len(scheduler.running)),
-            num_waiting_by_class=_by_class(num_waiting_interactive, len(scheduler.waiting)),
+            num_waiting_by_class=_by_class(num_waiting_interactive, num_waiting),
             num_preemptions_by_class=_by_class(num_preempted_interactive, sum(preempted.values())),
             num_kv_blocks_reserved_interactive=scheduler.reserve_blocks,
             batch_token_budget=self.last_batch_token_budget,

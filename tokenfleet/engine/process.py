@@ -42,6 +42,7 @@ BURST_GAP_MS = 5  # ...or this long once two or more came (a burst; a pause in t
 ARRIVAL_WINDOW_STEP_SHARE = 0.5  # ...but in all no longer than this share of a recent step
 ARRIVAL_WINDOW_MAX_S = 0.1  # (and never longer than this)
 FIRST_STEP_GUESS_S = 0.02  # before any step was timed
+COMPILE_POLL_MS = 1  # while the only requests wait for their constraints' compiles
 
 
 def _die_with_parent() -> None:
@@ -174,8 +175,13 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
     last_sent = time.monotonic()
     step_s = FIRST_STEP_GUESS_S  # the last step's duration
     while True:
-        busy = core.has_unfinished_requests() or core.has_pending_outputs()
-        timeout_ms = 0 if busy else int(HEARTBEAT_INTERVAL_S * 1000)
+        busy = core.has_step_work()
+        if busy:
+            timeout_ms = 0
+        elif core.has_unfinished_requests():  # compiles pending: check on them soon
+            timeout_ms = COMPILE_POLL_MS
+        else:
+            timeout_ms = int(HEARTBEAT_INTERVAL_S * 1000)
         if inputs.poll(timeout_ms):
             # A burst that reaches an idle engine one request at a time (each has its own way
             # through the gateway) should share the first step: starting on the first arrival
@@ -226,7 +232,7 @@ def run_engine(in_addr: str, out_addr: str, config: EngineConfig) -> None:
                             refused.append(RequestRejected(request.req_id, message_text[:500]))
                     for rejected in refused:
                         outputs.send(_encode_rejection(encoder, rejected))
-        if core.has_unfinished_requests() or core.has_pending_outputs():
+        if core.has_step_work():
             started = time.monotonic()
             outputs.send(encode_step(encoder, core.step(), core.fail_requests))
             last_sent = time.monotonic()

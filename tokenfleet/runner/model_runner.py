@@ -2,7 +2,9 @@
 
 Owns the weights, the paged KV tensors (sized from a memory budget) and the random
 generators of unseeded requests (a seeded request's draws are keyed by seed and output
-position: sampler.seeded_uniform); knows nothing of queues or policy.
+position: sampler.seeded_uniform); knows nothing of queues or policy. Constrained rows come
+with their token masks (runner/grammar.py), filled beside the forward pass and applied to
+the logits before sampling.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.loader import DTYPES, load_model
 from tokenfleet.models.rope import rope_cos_sin
+from tokenfleet.runner.grammar import TokenMasks
 from tokenfleet.runner.sampler import compute_logprobs, logprobs_rows, sample_rows
 
 logger = logging.getLogger(__name__)
@@ -123,7 +126,9 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, masks: TokenMasks | None = None) -> ModelRunnerOutput:
+        """Runs the step. `masks`: the token masks of its constrained rows that sample,
+        being filled while the forward pass runs; applied once it is done."""
         for req_id in so.finished_req_ids:
             self._generators.pop(req_id, None)
         if so.is_empty:
@@ -166,6 +171,16 @@ class ModelRunner:
         logits = logits[:num_sampling]
         sampling = [s for s in batch if s.sample]
         params = [s.sampling_params for s in sampling]
+        # Constrained rows: disallowed tokens to -inf before anything else touches the
+        # logits (penalties, temperature, top-k/top-p, the greedy argmax). Logprobs stay
+        # those of the raw logits, the model's own distribution (as OpenAI's API reports
+        # them): masked is then a copy.
+        masked = logits
+        if masks is not None:
+            masked, failed_masks = masks.apply(
+                logits, [s.req_id for s in sampling], [p.logprobs is not None for p in params]
+            )
+            failed.update(failed_masks)
         # Seeded rows draw by (seed, output position): no generator of their own.
         generators = [
             None if p.greedy or p.seed is not None else self._generator(s.req_id)
@@ -177,7 +192,7 @@ class ModelRunner:
             for s, p in zip(sampling, params, strict=True)
         ]
         outputs = [s.output_token_ids for s in sampling]
-        drawn, failed_rows = sample_rows(logits, params, generators, outputs)
+        drawn, failed_rows = sample_rows(masked, params, generators, outputs)
         token_ids = [0 if t is None else t for t in drawn]
         num_top = [None if i in failed_rows else p.logprobs for i, p in enumerate(params)]
         logprobs, failed_scoring = logprobs_rows(logits, token_ids, num_top)

@@ -5,8 +5,10 @@ A random row takes one uniform draw. A seeded request's draw for its output toke
 of (seed, k), seeded_uniform: the same whatever it is batched with, after a preemption's
 recompute, and on another replica that resumes the stream. An unseeded request draws from
 its own torch.Generator. Presence and frequency penalties and logit biases change the
-logits first (greedy too). Logprobs are of the model's raw distribution (before penalties,
-biases, temperature and truncation), as the OpenAI API reports them.
+logits first (greedy too); a constrained row's logits come masked already (-inf where its
+grammar disallows a token: runner/grammar.py). Logprobs are of the model's raw distribution
+(before masks, penalties, biases, temperature and truncation), as the OpenAI API reports
+them.
 """
 
 from __future__ import annotations
