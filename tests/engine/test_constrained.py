@@ -19,11 +19,12 @@ import jsonschema
 import msgspec
 import pytest
 import torch
+from support.engine_streams import Stream, run_streams
 
 from tokenfleet import SamplingParams
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.config import CacheConfig, EngineConfig
-from tokenfleet.core.engine_api import EngineCoreRequest, TokenLogprobs
+from tokenfleet.core.engine_api import EngineCoreRequest
 from tokenfleet.core.sampling_params import Constraint
 from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenfleet.engine.core import EngineCore
@@ -90,14 +91,6 @@ def _schema(schema: dict[str, Any]) -> Constraint:
     return Constraint("json_schema", json.dumps(schema))
 
 
-class Stream(NamedTuple):
-    tokens: list[int]
-    finish_reason: str | None
-    stop_token_id: int | None
-    logprobs: list[TokenLogprobs]
-    error: str | None
-
-
 @pytest.fixture(scope="module")
 def core(model_folder: Path) -> EngineCore:
     kv_bytes = ModelConfig.from_folder(model_folder).kv_bytes_per_token(4)  # float32
@@ -128,22 +121,9 @@ def _request(
 
 def _run(core: EngineCore, requests: list[EngineCoreRequest]) -> list[Stream]:
     """Each request's stream, all added before the first step (batched together)."""
-    for request in requests:
-        core.add_request(request)
-    streams = {r.req_id: Stream([], None, None, [], None) for r in requests}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            stream = streams[out.req_id]
-            stream.tokens.extend(out.new_token_ids)
-            stream.logprobs.extend(out.logprobs or [])
-            if out.finished:
-                streams[out.req_id] = stream._replace(
-                    finish_reason=out.finish_reason,
-                    stop_token_id=out.stop_token_id,
-                    error=out.error,
-                )
-    assert core.kv.pool.num_used_blocks == 0 and not core.matchers
-    return [streams[r.req_id] for r in requests]
+    streams = run_streams(core, requests)
+    assert not core.matchers
+    return streams
 
 
 def _params(

@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import NamedTuple
 
 import msgspec
 import pytest
 import torch
+from support.engine_streams import Stream, run_streams
 
 from tokenfleet import SamplingParams
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.config import CacheConfig, EngineConfig
-from tokenfleet.core.engine_api import EngineCoreRequest, TokenLogprobs
+from tokenfleet.core.engine_api import EngineCoreRequest
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
 from tokenfleet.models.config import ModelConfig
@@ -40,13 +40,6 @@ PENALIZED = SamplingParams(
     presence_penalty=0.5,
     logprobs=2,
 )
-
-
-class Stream(NamedTuple):
-    tokens: list[int]
-    finish_reason: str | None
-    stop_token_id: int | None
-    logprobs: list[TokenLogprobs]
 
 
 @pytest.fixture(scope="module")
@@ -87,20 +80,8 @@ def _request(
 
 def _run(core: EngineCore, requests: list[EngineCoreRequest]) -> list[Stream]:
     """Each request's stream, all added before the first step (batched together)."""
-    for request in requests:
-        core.add_request(request)
-    streams = {r.req_id: Stream([], None, None, []) for r in requests}
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            stream = streams[out.req_id]
-            stream.tokens.extend(out.new_token_ids)
-            stream.logprobs.extend(out.logprobs or [])
-            if out.finished:
-                streams[out.req_id] = stream._replace(
-                    finish_reason=out.finish_reason, stop_token_id=out.stop_token_id
-                )
-    assert core.kv.pool.num_used_blocks == 0
-    return [streams[r.req_id] for r in requests]
+    streams = run_streams(core, requests)
+    return streams
 
 
 def _moved(core: EngineCore, prompt: list[int], params: SamplingParams) -> Stream:
