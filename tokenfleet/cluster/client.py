@@ -19,8 +19,9 @@ is engine/client.py's AsyncEngineClient; the gateway sees only their shared inte
   attempt (a replica that speaks late) are dropped. A request moved more than `max_moves`
   times, or with no replica to move to for `move_wait_s`, ends with EngineDeadError.
 
-(Over 400 lines: routing, moving and reading replies are one state machine over the same
-requests and links; split, each part would reach into the others' state.)
+(Over 400 lines: placing, moving and hearing from replicas are one state machine over the
+same requests and links: a replica's death moves its requests, a beat unparks them, an
+output ends them; split, each part would reach into the others' state.)
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenfleet.cluster.links import ReplicaLink
+from tokenfleet.cluster.links import ReplicaLink, merge_stats
 from tokenfleet.cluster.placement import ReplicaDescription
 from tokenfleet.cluster.wire import (
     FleetMessage,
@@ -558,38 +559,3 @@ class FleetClient:
         if output.finished:
             self._leave(moving)
             self._requests.pop(moving.request.req_id, None)
-
-
-def merge_stats(parts: list[SchedulerStats]) -> SchedulerStats | None:
-    """The fleet's stats as one replica's: counts summed; the step-time model's of the
-    first replica (one model, one kind of accelerator)."""
-    if not parts:
-        return None
-
-    def total(name: str) -> int:
-        return sum(getattr(s, name) for s in parts)
-
-    def by_class(name: str) -> dict[str, Any]:
-        merged: dict[str, Any] = {}
-        for s in parts:
-            for key, value in getattr(s, name).items():
-                merged[key] = merged.get(key, 0) + value
-        return merged
-
-    first = parts[0]
-    return msgspec.structs.replace(
-        first,
-        num_running=total("num_running"),
-        num_waiting=total("num_waiting"),
-        num_kv_blocks_used=total("num_kv_blocks_used"),
-        num_kv_blocks_total=total("num_kv_blocks_total"),
-        num_prefix_query_tokens=total("num_prefix_query_tokens"),
-        num_prefix_hit_tokens=total("num_prefix_hit_tokens"),
-        num_preemptions=total("num_preemptions"),
-        num_steps=total("num_steps"),
-        num_running_by_class=by_class("num_running_by_class"),
-        num_waiting_by_class=by_class("num_waiting_by_class"),
-        num_preemptions_by_class=by_class("num_preemptions_by_class"),
-        ttft_sum_s_by_class=by_class("ttft_sum_s_by_class"),
-        ttft_count_by_class=by_class("ttft_count_by_class"),
-    )

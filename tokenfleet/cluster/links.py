@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -137,3 +139,38 @@ class ReplicaLink:
             "restarts": self.restarts,
             "requests_from_this_gateway": len(self.requests),
         }
+
+
+# SchedulerStats' counts that add up over replicas, and its per-class counts.
+_SUMMED = (
+    "num_running",
+    "num_waiting",
+    "num_kv_blocks_used",
+    "num_kv_blocks_total",
+    "num_prefix_query_tokens",
+    "num_prefix_hit_tokens",
+    "num_preemptions",
+    "num_steps",
+)
+_SUMMED_BY_CLASS = (
+    "num_running_by_class",
+    "num_waiting_by_class",
+    "num_preemptions_by_class",
+    "ttft_sum_s_by_class",
+    "ttft_count_by_class",
+)
+
+
+def merge_stats(parts: list[SchedulerStats]) -> SchedulerStats | None:
+    """The fleet's stats as one replica's: counts summed; the step-time model's of the
+    first replica (one model, one kind of accelerator)."""
+    if not parts:
+        return None
+    merged: dict[str, Any] = {name: sum(getattr(s, name) for s in parts) for name in _SUMMED}
+    for name in _SUMMED_BY_CLASS:
+        by_class: dict[str, Any] = {}
+        for stats in parts:
+            for key, value in getattr(stats, name).items():
+                by_class[key] = by_class.get(key, 0) + value
+        merged[name] = by_class
+    return msgspec.structs.replace(parts[0], **merged)
