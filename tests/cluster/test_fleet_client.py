@@ -8,6 +8,7 @@ replica is dead."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -422,5 +423,20 @@ def test_sixteen_replicas_keep_each_shared_prefix_on_one_and_spread_the_prefixes
                 ),
                 "every holder's hits reported",
             )
+
+    asyncio.run(run())
+
+
+def test_a_step_of_seconds_is_not_taken_for_a_death(config: EngineConfig, fixed_token: int) -> None:
+    """Each step takes 2 s, longer than the 1.5 s replica timeout: the bridge beats from
+    its own thread meanwhile, so the replica stays ready and nothing moves."""
+    slow = dataclasses.replace(config, fixed_step_s=2.0)
+
+    async def run() -> None:
+        async with fleet(slow, 1, replica_timeout_s=1.5) as f:
+            stream = await f.client.submit(request("slow", 3))
+            assert await collect(f, stream) == [fixed_token] * 3
+            assert f.client.links[0].state == "ready"
+            assert f.client.num_moves == 0
 
     asyncio.run(run())
