@@ -8,7 +8,8 @@ fleet lost or repeated one.
 Faults are real ones: SIGKILL of a replica's process (Ray restarts it), a worker node
 removed from the cluster (Ray restarts its replicas on the other), SIGKILL of a gateway
 (the replicas abort its requests). The tests share one cluster and one gateway; the node
-removal comes last, since the cluster keeps one worker after it.
+removal comes late, since the cluster keeps one worker after it, and the replica whose
+restarts are used up comes last, since it stays dead.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from support.ray_cluster import (
     fleet_rows,
     is_loopback,
     listening_sockets,
+    ray_actor,
     ray_cluster,
     wait_fleet_ready,
 )
@@ -48,6 +50,7 @@ MAX_TOKENS = 400
 # Bounds that only a hang reaches (a restarted replica is ready in about a second here).
 BACK_S = 90.0
 STREAM_S = 120.0
+RESTARTS = 8  # each replica's --replica-restarts: Ray's bound, then the replica stays dead
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def fleet_args(cluster: RayTestCluster, *more: str) -> list[str]:
     """A gateway's flags: the fixed runner (the first gateway's engine settings are the
     replicas'), the cluster, the replicas it shares with every other gateway on it."""
     args = ["--runner", "fixed", "--fixed-step-time", STEP_S, "--ray-address", cluster.address]
-    return [*args, "--replicas", str(NUM_REPLICAS), "--replica-restarts", "8", *more]
+    return [*args, "--replicas", str(NUM_REPLICAS), "--replica-restarts", str(RESTARTS), *more]
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +194,31 @@ def test_every_socket_ray_and_tokenfleet_listen_on_is_on_loopback(
     expected |= {int(r["address"].rsplit(":", 1)[1]) for r in rows}
     assert expected <= ports
     assert {r["address"].split(":")[1] for r in rows} == {"//127.0.0.1"}
+
+
+# -- a model folder missing on a node ---------------------------------------------------------
+
+
+def test_a_gateway_given_a_model_folder_missing_on_a_node_stops_naming_that_node(
+    cluster: RayTestCluster, gateway: LiveServer, model_folder: Path, tmp_path: Path
+) -> None:
+    """A third worker node that cannot see the model folder (an empty tmpfs over it, in a
+    mount namespace of its own): a gateway started with `--model` that folder exits
+    before serving, with the error naming that node and no other; the replicas already
+    running are untouched, and a gateway without `--model` still starts."""
+    wait_fleet_ready(gateway, NUM_REPLICAS)
+    with (
+        cluster.node_without(model_folder) as node_id,
+        pytest.raises(RuntimeError, match="server exited") as failed,
+        live_server(tmp_path, *fleet_args(cluster), model_folder=model_folder),
+    ):
+        pass
+    log = str(failed.value)
+    expected = f"the model folder {str(model_folder)!r} (config.json and weights) is "
+    expected += f"missing on node(s) 127.0.0.1 ({node_id[:12]}): every node that can "
+    assert expected in log, log
+    assert Stream(gateway, 20, "after the failed start").join().outcome() == whole(20)
+    assert [r["state"] for r in wait_fleet_ready(gateway, NUM_REPLICAS)] == ["ready"] * 4
 
 
 # -- a replica killed -------------------------------------------------------------------------
@@ -370,3 +398,41 @@ def test_a_node_removed_mid_stream_loses_no_token_and_its_replicas_restart_elsew
     for before in gone:
         back = wait_back(gateway, before)
         assert back["node"] == remaining and back["restarts"] == before["restarts"] + 1
+
+
+# -- a replica whose restarts are used up (last: it stays dead) ------------------------------
+
+
+def test_a_replica_past_its_restarts_is_dead_and_the_gateway_goes_on_with_the_others(
+    gateway: LiveServer,
+) -> None:
+    """A replica SIGKILLed until Ray has restarted it --replica-restarts times (Ray's own
+    count), then once more while 8 streams run: Ray leaves it dead, GET /admin/fleet shows
+    it `dead` (and still so after more streams), the streams it held move and every
+    stream ends whole, and new streams run on the others alone."""
+    wait_fleet_ready(gateway, NUM_REPLICAS)
+    victim = fleet_rows(gateway)[0]
+    actor_id = ray_actor(victim["id"])["ActorID"]
+    record = ray_actor(victim["id"])
+    while record["NumRestarts"] < RESTARTS:
+        os.kill(row(gateway, victim["id"])["pid"], signal.SIGKILL)
+        before = record["NumRestarts"]
+        wait_back(gateway, victim)
+        victim = row(gateway, victim["id"])
+        record = ray_actor(victim["id"])
+        assert record["NumRestarts"] == before + 1 and record["State"] == "ALIVE"
+    streams = streams_under_way(gateway, 8)
+    moves, on_victim = fleet_moves(gateway), row(gateway, victim["id"])
+    os.kill(on_victim["pid"], signal.SIGKILL)
+    assert [s.join().outcome() for s in streams] == [whole(MAX_TOKENS)] * len(streams)
+    assert fleet_moves(gateway) == moves + on_victim["requests_from_this_gateway"]
+    wait_until(lambda: row(gateway, victim["id"])["state"] == "dead", BACK_S, "shown dead")
+    record = ray_actor(victim["id"], actor_id)
+    assert (record["State"], record["NumRestarts"]) == ("DEAD", RESTARTS)
+    later = [Stream(gateway, 50, f"later {n}") for n in range(8)]
+    assert [s.join().outcome() for s in later] == [whole(50)] * 8
+    rows = fleet_rows(gateway)
+    assert [(r["id"], r["state"]) for r in rows] == [
+        (r["id"], "dead" if r["id"] == victim["id"] else "ready") for r in rows
+    ]
+    assert row(gateway, victim["id"])["requests_from_this_gateway"] == 0

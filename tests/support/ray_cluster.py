@@ -12,7 +12,11 @@ process it started is gone, or it fails.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -88,6 +92,41 @@ class RayTestCluster:
         removal: the raylet is told to go)."""
         self.cluster.remove_node(node)
         self.replica_nodes.remove(node)
+
+    @contextmanager
+    def node_without(self, folder: Path) -> Iterator[str]:
+        """A worker node (one replica's room) whose processes do not see `folder`'s
+        contents: the node (support/ray_node.py) in a mount namespace of its own where an
+        empty tmpfs covers the folder, as on a machine that lacks it. Yields the node's id
+        (hex); afterwards the node and every process on it are gone."""
+        resources = json.dumps({REPLICA_RESOURCE: 1})
+        node = [sys.executable, str(Path(__file__).with_name("ray_node.py")), self.address]
+        node += [resources, str(OBJECT_STORE_BYTES)]
+        script = f'mount -t tmpfs tmpfs "{folder}" && exec "$@"'
+        process = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", *node],
+            stdout=subprocess.PIPE,
+            env=os.environ.copy(),
+            start_new_session=True,
+        )
+        try:
+            assert process.stdout is not None
+            node_id = process.stdout.readline().decode().strip()
+            assert node_id, f"the node did not start: {process.wait(TEARDOWN_TIMEOUT_S)}"
+            wait_until(lambda: _alive(node_id), 60, "the node without the folder alive")
+            yield node_id
+        finally:
+            pids = descendants(process.pid) | {process.pid}
+            process.send_signal(signal.SIGTERM)
+            process.wait(TEARDOWN_TIMEOUT_S)
+            left = sorted(p for p in pids if not wait_gone(p, TEARDOWN_TIMEOUT_S))
+            assert left == [], f"processes left by the node without {folder}: {left}"
+
+
+def _alive(node_id: str) -> bool:
+    import ray
+
+    return any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes())
 
 
 @contextmanager
@@ -185,6 +224,17 @@ def wait_fleet_ready(
     rows = wait_until(ready, timeout, f"{num_replicas} replicas ready")
     assert rows is not None
     return rows
+
+
+def ray_actor(replica_id: int, actor_id: str | None = None) -> dict[str, Any]:
+    """Ray's own record of a replica's actor in its GCS table (State, NumRestarts, ...),
+    found by name, or by `actor_id` (hex) once the name is gone with a dead actor."""
+    import ray
+
+    if actor_id is None:
+        handle = ray.get_actor(f"replica-{replica_id}", namespace=NAMESPACE)
+        actor_id = handle._actor_id.hex()
+    return dict(ray._private.state.actors(actor_id))
 
 
 def busiest(rows: list[dict[str, Any]]) -> dict[str, Any]:
