@@ -32,6 +32,7 @@ from support.live_server import (
 )
 
 from tokenfleet import LLM, SamplingParams
+from tokenfleet.config import CacheConfig
 from tokenfleet.models.config import ModelConfig
 
 pytestmark = pytest.mark.slow
@@ -147,8 +148,19 @@ def _check_message(message: anthropic.types.Message, ref: Reference) -> None:
     assert message.content[0].text == ref.text
     assert message.stop_reason == ref.stop_reason
     assert message.stop_sequence is None
-    assert message.usage.input_tokens == ref.prompt_len
+    assert _prompt_tokens(message.usage) == ref.prompt_len
     assert message.usage.output_tokens == len(ref.token_ids)
+
+
+def _prompt_tokens(usage: anthropic.types.Usage) -> int:
+    """The whole prompt, as usage splits it: read from the prefix cache, or not."""
+    assert usage.cache_creation_input_tokens == 0
+    assert usage.cache_read_input_tokens is not None
+    assert usage.cache_read_input_tokens % BLOCK_SIZE == 0
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
+BLOCK_SIZE = CacheConfig().block_size  # the prefix cache's unit
 
 
 # -- greedy text and usage, four ways ---------------------------------------------------
@@ -258,7 +270,7 @@ def test_stop_sequence(server: LiveServer, refs: References) -> None:
     assert message.content[0].text == expected
     assert message.stop_reason == "stop_sequence"
     assert message.stop_sequence == stop
-    assert message.usage.input_tokens == refs.answer.prompt_len
+    assert _prompt_tokens(message.usage) == refs.answer.prompt_len
     assert message.usage.output_tokens == tokens
     with client.messages.stream(**kwargs) as stream:
         text = "".join(stream.text_stream)
@@ -412,7 +424,13 @@ def test_sse_bytes(server: LiveServer, refs: References) -> None:
     message = events[0][1]["message"]
     assert message["id"].startswith("msg_")
     assert message["content"] == [] and message["stop_reason"] is None
-    assert message["usage"] == {"input_tokens": refs.answer.prompt_len, "output_tokens": 0}
+    # Sent before the first token: the whole prompt counted as input for now.
+    assert message["usage"] == {
+        "input_tokens": refs.answer.prompt_len,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+        "output_tokens": 0,
+    }
     assert events[1][1] == {
         "type": "content_block_start",
         "index": 0,
@@ -423,10 +441,19 @@ def test_sse_bytes(server: LiveServer, refs: References) -> None:
     assert all(d["delta"]["text"] for d in deltas)
     assert "".join(d["delta"]["text"] for d in deltas) == refs.answer.text
     assert events[-3][1] == {"type": "content_block_stop", "index": 0}
+    # The final counts: the prompt split into what the prefix cache held (earlier tests
+    # sent it: whole blocks of it) and the rest.
+    cached = events[-2][1]["usage"]["cache_read_input_tokens"]
+    assert cached % BLOCK_SIZE == 0 and 0 <= cached < refs.answer.prompt_len
     assert events[-2][1] == {
         "type": "message_delta",
         "delta": {"stop_reason": "end_turn", "stop_sequence": None},
-        "usage": {"output_tokens": len(refs.answer.token_ids)},
+        "usage": {
+            "input_tokens": refs.answer.prompt_len - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": len(refs.answer.token_ids),
+        },
     }
     assert events[-1][1] == {"type": "message_stop"}
 

@@ -18,6 +18,14 @@ CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "grammar")
 MAX_CONSTRAINT_SPEC_CHARS = 1 << 17  # a JSON schema, regex or grammar of 128 Ki characters
 
 ConstraintKind = Literal["json_schema", "json_object", "regex", "grammar"]
+# JSON on one line as the model writes it, `{"a": 1, "b": [2, 3]}` (llguidance's options,
+# for a schema's "x-guidance"): with free whitespace a small model pads with spaces and
+# newlines until max_tokens.
+JSON_OPTIONS: dict[str, object] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class Constraint(msgspec.Struct, frozen=True, omit_defaults=True):

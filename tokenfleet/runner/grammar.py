@@ -45,7 +45,7 @@ import llguidance
 import numpy as np
 import torch
 
-from tokenfleet.core.sampling_params import Constraint, SamplingParams
+from tokenfleet.core.sampling_params import JSON_OPTIONS, Constraint, SamplingParams
 from tokenfleet.core.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -56,14 +56,8 @@ COMPILE_THREADS = 2
 # llguidance's default limits (they bound one compile's and one mask's work), with short
 # error messages: verbose ones carry the parser's state and the whole grammar.
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-# JSON on one line as the model writes it, `{"a": 1, "b": [2, 3]}`: with free whitespace
-# a small model pads with spaces and newlines until max_tokens. A schema can ask for
-# other options under "x-guidance".
-_JSON_OPTIONS: dict[str, Any] = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
+# A schema can ask for other JSON options than JSON_OPTIONS under "x-guidance".
+_JSON_OPTIONS: dict[str, Any] = dict(JSON_OPTIONS)
 _ANY_OBJECT = '{"type": "object"}'
 _WHAT = {
     "json_schema": "the JSON schema",

@@ -37,6 +37,7 @@ from tokenfleet.server.service import (
     cancel_on_disconnect,
 )
 from tokenfleet.server.sse import EventStream, prime, sse_event
+from tokenfleet.server.structured import OutputConfig, anthropic_constraint
 from tokenfleet.server.unsupported import ANTHROPIC_MESSAGES, refuse_unsupported, text_blocks
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class CountTokensRequest(BaseModel):
     model: str
     messages: list[MessageParam] = Field(min_length=1, max_length=MAX_MESSAGES)
     system: str | Blocks | None = None
+    output_config: OutputConfig | None = None
 
     _text_only = field_validator("system", mode="before")(text_blocks)
     _nulls = model_validator(mode="before")(drop_nulls)
@@ -167,6 +169,7 @@ def _prompt(service: GenerationService, body: CountTokensRequest) -> list[int]:
     refuse_unsupported(body, ANTHROPIC_MESSAGES)
     service.check_model(body.model)
     _check_contents(body)
+    anthropic_constraint(body.output_config)  # checked here for count_tokens too
     messages = _merged_turns(body.messages)
     if body.system:
         messages.insert(0, {"role": "system", "content": _text(body.system)})
@@ -199,6 +202,7 @@ def prepare_message(service: GenerationService, body: MessagesRequest) -> Messag
             temperature=clamp_temperature(body.temperature),
             top_p=clamp_top_p(body.top_p),
             top_k=clamp_top_k(body.top_k, service.vocab_size),
+            constraint=anthropic_constraint(body.output_config),
         )
     except InvalidRequestError as exc:
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
@@ -214,7 +218,19 @@ def _message(call: MessageCall) -> dict[str, Any]:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": len(call.prompt), "output_tokens": 0},
+        "usage": _usage(len(call.prompt), TextDelta("", [], 0)),
+    }
+
+
+def _usage(num_prompt: int, delta: TextDelta) -> dict[str, int]:
+    """Usage as Anthropic defines it: `input_tokens` are the prompt tokens not read from
+    the prefix cache, `cache_read_input_tokens` those that were (nothing is written to a
+    cache at a caller's request: `cache_creation_input_tokens` is 0)."""
+    return {
+        "input_tokens": num_prompt - delta.num_cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": delta.num_cached_tokens,
+        "output_tokens": delta.num_output_tokens,
     }
 
 
@@ -222,10 +238,8 @@ def _finish(message: dict[str, Any], text: str, last: TextDelta) -> dict[str, An
     message["content"] = [{"type": "text", "text": text}]
     message["stop_reason"] = STOP_REASONS.get(last.finish_reason or "", "end_turn")
     message["stop_sequence"] = last.stop_sequence
-    message["usage"] = {
-        "input_tokens": message["usage"]["input_tokens"],
-        "output_tokens": last.num_output_tokens,
-    }
+    num_prompt = message["usage"]["input_tokens"] + message["usage"]["cache_read_input_tokens"]
+    message["usage"] = _usage(num_prompt, last)
     return message
 
 
@@ -279,6 +293,11 @@ async def _collect(deltas: AsyncGenerator[TextDelta, None]) -> tuple[str, TextDe
 async def _stream(
     message: dict[str, Any], deltas: AsyncGenerator[TextDelta, None]
 ) -> AsyncIterator[bytes]:
+    """The events of a streamed Message. message_start goes out before the first token,
+    when the prefix cache's share of the prompt is not known yet: its usage counts the
+    whole prompt as input; message_delta's usage has the final counts, cache reads
+    included (the SDKs' accumulators take them from there)."""
+    num_prompt = message["usage"]["input_tokens"]
     yield sse_event({"type": "message_start", "message": message}, "message_start")
     start = {
         "type": "content_block_start",
@@ -309,6 +328,6 @@ async def _stream(
         "stop_reason": STOP_REASONS.get(last.finish_reason, "end_turn"),
         "stop_sequence": last.stop_sequence,
     }
-    usage = {"output_tokens": last.num_output_tokens}
+    usage = _usage(num_prompt, last)
     yield sse_event({"type": "message_delta", "delta": stop, "usage": usage}, "message_delta")
     yield sse_event({"type": "message_stop"}, "message_stop")

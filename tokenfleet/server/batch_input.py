@@ -111,7 +111,8 @@ class BatchChecker:
             ENDPOINTS[endpoint].check(self.service, params)
         except APIError as exc:
             field = f"params.{exc.param}" if exc.param else "params"
-            message = exc.message
+            # The field goes first once: "requests[3].params.x: ...", not "...x: x: ...".
+            message = exc.message.removeprefix(f"{exc.param}: ") if exc.param else exc.message
             raise _bad(message, where, field) from exc
 
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
-from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.core.sampling_params import Constraint, SamplingParams
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.server.body import read_body
 from tokenfleet.server.bounds import (
@@ -49,6 +49,7 @@ from tokenfleet.server.service import (
     TextDelta,
     cancel_on_disconnect,
 )
+from tokenfleet.server.structured import ResponseFormat
 from tokenfleet.server.unsupported import text_blocks
 
 R = TypeVar("R", bound="CommonRequest")
@@ -169,6 +170,7 @@ class CommonRequest(BaseModel):
 
 class ChatRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    response_format: ResponseFormat | None = None
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
     logprobs: bool = False
@@ -192,7 +194,12 @@ class CompletionRequest(CommonRequest):
 
 
 def sampling_params(
-    body: CommonRequest, max_tokens: int, logprobs: int | None, index: int, prompt_logprobs: bool
+    body: CommonRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    index: int,
+    prompt_logprobs: bool,
+    constraint: Constraint | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -208,6 +215,7 @@ def sampling_params(
             presence_penalty=body.presence_penalty,
             frequency_penalty=body.frequency_penalty,
             logit_bias=tuple((body.logit_bias or {}).items()),
+            constraint=constraint,
         )
     except InvalidRequestError as exc:
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
@@ -301,6 +309,7 @@ class Run:
         self.created = int(time.time())
         self.prompt_tokens = 0
         self.completion_tokens = [0]
+        self.cached_tokens = [0]  # prompt tokens each choice found in the prefix cache
         # The prompt's logprobs too, where its echo shows them.
         self.echo = isinstance(body, CompletionRequest) and body.echo
 
@@ -311,11 +320,14 @@ class Run:
         logprobs: int | None,
         *,
         announce: bool = False,
+        constraint: Constraint | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """The choices' merged deltas; with `announce` (streams), each choice's first is
-        empty, sent once the engine has it (GenerationService.generate): skip those."""
+        empty, sent once the engine has it (GenerationService.generate): skip those.
+        `constraint`: what every choice's output must match (structured output, tools)."""
         self.prompt_tokens = sum(len(p) for p in prompts[:: self.body.n])
         self.completion_tokens = [0] * len(prompts)
+        self.cached_tokens = [0] * len(prompts)
         stop = self.body.stop_list()
         verdict = None
         if self.priority == "interactive":
@@ -323,7 +335,7 @@ class Run:
         streams = [
             self.service.generate(
                 p,
-                sampling_params(self.body, m, logprobs, i % self.body.n, self.echo),
+                sampling_params(self.body, m, logprobs, i % self.body.n, self.echo, constraint),
                 stop,
                 route=self.route,
                 priority=self.priority,
@@ -334,12 +346,20 @@ class Run:
         ]
         return merge(streams)
 
-    def usage(self) -> dict[str, int]:
+    def count(self, index: int, delta: TextDelta) -> None:
+        """A choice's tokens so far, for usage."""
+        self.completion_tokens[index] = delta.num_output_tokens
+        self.cached_tokens[index] = delta.num_cached_tokens
+
+    def usage(self) -> dict[str, Any]:
+        """Usage as OpenAI reports it: each prompt counted once (its first choice's),
+        `prompt_tokens_details.cached_tokens` the part of them read from the prefix cache."""
         completion = sum(self.completion_tokens)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[:: self.body.n])},
         }
 
 

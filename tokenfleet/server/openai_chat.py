@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.core.engine_api import TokenLogprobs
+from tokenfleet.core.sampling_params import Constraint
 from tokenfleet.server.bounds import check_engine_requests
 from tokenfleet.server.errors import APIError, openai_error_body
 from tokenfleet.server.openai_api import (
@@ -25,6 +26,7 @@ from tokenfleet.server.openai_api import (
 from tokenfleet.server.schemas import request_body
 from tokenfleet.server.service import GenerationService, TextDelta
 from tokenfleet.server.sse import EventStream, prime, sse_event
+from tokenfleet.server.structured import openai_constraint
 from tokenfleet.server.unsupported import OPENAI_CHAT, OPENAI_MESSAGE, refuse_unsupported
 
 router = APIRouter()
@@ -54,6 +56,7 @@ class ChatCall:
     prompt: list[int]
     max_tokens: int
     num_top: int | None  # top logprobs per token; None: no logprobs
+    constraint: Constraint | None  # what the output must match (response_format)
 
 
 def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
@@ -72,6 +75,8 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
             m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
         )
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    mentions_json = any("json" in m["content"].lower() for m in messages)
+    constraint = openai_constraint(body.response_format, mentions_json)
     prompt = service.render_chat(messages)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -79,13 +84,16 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
         max_tokens = max(service.max_model_len - len(prompt), 1)
     service.check_length(len(prompt), max_tokens, param)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    return ChatCall(body, prompt, max_tokens, num_top)
+    return ChatCall(body, prompt, max_tokens, num_top, constraint)
 
 
 async def run_chat(service: GenerationService, call: ChatCall, priority: str) -> dict[str, Any]:
     """A non-streamed chat completion, as its JSON body (the Batch API's path)."""
     run = Run(service, call.body, "/v1/chat/completions", priority)
-    merged = run.start([call.prompt] * call.body.n, [call.max_tokens] * call.body.n, call.num_top)
+    n = call.body.n
+    merged = run.start(
+        [call.prompt] * n, [call.max_tokens] * n, call.num_top, constraint=call.constraint
+    )
     return await _chat_body(service, call, run, merged)
 
 
@@ -97,7 +105,11 @@ async def _chat_completions(
     run = Run(service, body, "/v1/chat/completions", "interactive")
     merged = await prime(
         run.start(
-            [call.prompt] * body.n, [call.max_tokens] * body.n, num_top, announce=bool(body.stream)
+            [call.prompt] * body.n,
+            [call.max_tokens] * body.n,
+            num_top,
+            announce=bool(body.stream),
+            constraint=call.constraint,
         )
     )
     tokenizer = service.tokenizer
@@ -126,7 +138,7 @@ async def _chat_completions(
                     async for i, d in merged:
                         if not d.token_ids and d.finish_reason is None:
                             continue  # the engine has it: nothing to send yet
-                        run.completion_tokens[i] = d.num_output_tokens
+                        run.count(i, d)
                         lp = (
                             {"content": _chat_logprobs(tokenizer, d.logprobs)}
                             if num_top is not None
@@ -180,7 +192,7 @@ async def _chat_body(
         async for i, d in merged:
             texts[i] += d.text
             logprobs[i] += _chat_logprobs(service.tokenizer, d.logprobs)
-            run.completion_tokens[i] = d.num_output_tokens
+            run.count(i, d)
             if d.finish_reason:
                 reasons[i] = FINISH_REASONS.get(d.finish_reason, "stop")
     choices = [

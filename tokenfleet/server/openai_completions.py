@@ -148,7 +148,7 @@ async def _completions(
             async with contextlib.aclosing(merged):  # type: ignore[type-var]
                 try:
                     async for i, d in merged:
-                        run.completion_tokens[i] = d.num_output_tokens
+                        run.count(i, d)
                         # Tokens whose text is held back (a partial character or stop
                         # string) still carry their logprobs.
                         if d.text or d.finish_reason or (body.logprobs is not None and d.logprobs):
@@ -241,7 +241,7 @@ async def _completion_body(
             entries[i] += d.logprobs
             if d.prompt_logprobs is not None:
                 prompt_entries[i] = d.prompt_logprobs
-            run.completion_tokens[i] = d.num_output_tokens
+            run.count(i, d)
             last[i] = d
     choices = []
     for i, final in enumerate(last):

@@ -86,6 +86,7 @@ class TextDelta:
     finish_reason: str | None = None
     stop_sequence: str | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # with the first token, if asked
+    num_cached_tokens: int = 0  # prompt tokens read from the prefix cache
 
 
 # The server's task of the HTTP request being served (PendingRequests.entered), in its context.
@@ -335,6 +336,7 @@ class GenerationService:
                     text, matched = stopper.feed(detok.add_tokens(shown))
                     delta = TextDelta(text, out.new_token_ids, num_output, out.logprobs or [])
                     delta.prompt_logprobs = out.prompt_logprobs
+                    delta.num_cached_tokens = out.num_cached_tokens
                     if matched is not None:
                         delta.finish_reason, delta.stop_sequence = "stop_sequence", matched
                     elif out.finished:

@@ -1,8 +1,8 @@
-"""Parameters the APIs define and this server does not serve (tools, images, structured
-output, ...): a request that asks for one gets a 400 naming it, instead of an answer that
-silently ignored it. The request models allow unknown fields, so that a client sending a
-newer field at its default value still works; only a value that would change the answer
-is refused."""
+"""Parameters the APIs define and this server does not serve (images, audio, ...): a
+request that asks for one gets a 400 naming it, instead of an answer that silently
+ignored it. The request models allow unknown fields, so that a client sending a newer
+field at its default value still works; only a value that would change the answer is
+refused."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ OPENAI_CHAT: Mapping[str, tuple[Unasked, str]] = {
     "tool_choice": (_one_of("none"), "tool calling"),
     "functions": (_empty, "function calling"),
     "function_call": (_one_of("none"), "function calling"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "structured output"),
     "audio": (_empty, "audio output"),
     "modalities": (lambda v: v is None or v == ["text"], "output other than text"),
     "prediction": (_empty, "predicted outputs"),
