@@ -688,20 +688,21 @@ def test_empty_content_is_refused_as_anthropic_does(server: LiveServer, refs: Re
 
 
 def test_unsupported_features_are_400s_naming_them(server: LiveServer, refs: References) -> None:
-    """Tools, extended thinking and image or document blocks, asked for, are 400s naming
-    them (not a reply that ignored them); the same fields at their defaults are no error."""
+    """MCP servers, extended thinking and image or document blocks, asked for, are 400s
+    naming them (not a reply that ignored them); the same fields at their defaults, and
+    tools at theirs, are no error. (Tools are served: test_tools_anthropic.py.)"""
     ok = {"model": MODEL, "max_tokens": 4, "messages": ANSWER}
-    tool = {"name": "get_weather", "input_schema": {"type": "object"}}
+    thinking = {"type": "enabled", "budget_tokens": 1024}
     for fields, start in [
-        ({"tools": [tool]}, "tools: tool use is not supported"),
-        ({"tool_choice": {"type": "auto"}}, "tool_choice: tool use is not supported"),
+        ({"mcp_servers": [{"type": "url", "url": "x", "name": "m"}]}, "mcp_servers: MCP servers"),
         (
             {"thinking": {"type": "enabled", "budget_tokens": 1024}},
             "thinking: extended thinking is not supported",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
-            "messages.0.content: block 0 is of type 'image': this model takes only 'text'",
+            "messages.0.content: block 0 is of type 'image': this model takes only 'text', "
+            "'tool_use' or 'tool_result' content",
         ),
         (
             {"system": [{"type": "text", "text": "a"}, {"type": "document", "source": {}}]},
@@ -712,13 +713,13 @@ def test_unsupported_features_are_400s_naming_them(server: LiveServer, refs: Ref
         assert message.startswith(start), message
     counted = httpx.post(
         f"{server.url}/v1/messages/count_tokens",
-        json={"model": MODEL, "messages": ANSWER, "tools": [tool]},
+        json={"model": MODEL, "messages": ANSWER, "thinking": thinking},
         timeout=60,
     )
-    assert _check_error(counted, 400, "invalid_request_error").startswith("tools: ")
+    assert _check_error(counted, 400, "invalid_request_error").startswith("thinking: ")
     client = _client(server, max_retries=0)
-    with pytest.raises(anthropic.BadRequestError, match="tool use is not supported"):
-        client.messages.create(model=MODEL, max_tokens=4, messages=ANSWER, tools=[tool])  # type: ignore[list-item]
+    with pytest.raises(anthropic.BadRequestError, match="extended thinking is not supported"):
+        client.messages.create(model=MODEL, max_tokens=4, messages=ANSWER, thinking=thinking)  # type: ignore[arg-type]
     defaults = {"tools": [], "tool_choice": {"type": "none"}, "thinking": {"type": "disabled"}}
     answer = client.messages.create(
         model=MODEL, max_tokens=MAX_TOKENS, messages=ANSWER, extra_body=GREEDY | defaults

@@ -89,10 +89,12 @@ def apply_result(line: dict[str, Any], records: dict[str, RequestRecord], now: f
         result = line["result"] or {}
         usage = (result.get("message") or {}).get("usage")
         if result.get("type") == "succeeded" and usage:
-            record.prompt_tokens, record.output_tokens = (
-                usage["input_tokens"],
-                usage["output_tokens"],
+            # The whole prompt: Anthropic counts its cached part apart.
+            cached = usage.get("cache_read_input_tokens", 0) + usage.get(
+                "cache_creation_input_tokens", 0
             )
+            record.prompt_tokens = usage["input_tokens"] + cached
+            record.output_tokens = usage["output_tokens"]
             record.usage_reported = True
             record.finish("ok", now)
         else:

@@ -14,11 +14,10 @@ request's matcher, and each step's token masks. The library is llguidance.
                                       can take nothing more (the grammar is complete) ends
                                       its request with "stop" in that same step
 
-Why llguidance (measured on the 2-core CPU machine, SmolLM2's 49,152-token vocabulary): it
-builds its tokenizer from the model folder's tokenizer.json (~0.3 s, once, at start-up) and
-needs no other package; a schema of the named set compiles in ~0.8 ms (p99 ~2 ms, the
-thread hop included; ~13 us from the cache), and a row's mask fills in ~40-110 us (p99
-~1 ms), in Rust, without the GIL. xgrammar needs transformers and triton; outlines-core
+Why llguidance: it builds its tokenizer from the model folder's tokenizer.json (once, at
+start-up) and needs no other package; it compiles a schema in about a millisecond and
+fills a row's mask in Rust without the GIL (docs/structured.md has today's figures, from
+bench/structured.py). xgrammar needs transformers and triton; outlines-core
 fills one row at a time. llguidance.torch's mask helper is a torch.compile function
 (seconds on its first call): it is not used; the bitmasks become biases through a byte
 table here (numpy, in the mask thread).

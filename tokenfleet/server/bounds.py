@@ -22,6 +22,7 @@ MAX_TOKENS_MAX = JSON_INT_MAX  # and then checked against the context (service.c
 
 MAX_MESSAGES = 100_000  # Anthropic's own limit on messages per request
 MAX_CONTENT_BLOCKS = 10_000  # text blocks in one message or in `system`
+MAX_TOOL_ID_CHARS = 256  # a tool call's id in an earlier turn (ours are 30)
 MAX_STOP_SEQUENCES_ANTHROPIC = 16
 MAX_STOP_SEQUENCES_OPENAI = 4  # OpenAI's documented limit
 MAX_STOP_CHARS = 1024  # one stop string

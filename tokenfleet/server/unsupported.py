@@ -49,8 +49,6 @@ OPENAI_COMPLETION: Mapping[str, tuple[Unasked, str]] = {
     "suffix": (_empty, "suffix (insertion)"),
 }
 ANTHROPIC_MESSAGES: Mapping[str, tuple[Unasked, str]] = {
-    "tools": (_empty, "tool use"),
-    "tool_choice": (lambda v: _empty(v) or v == {"type": "none"}, "tool use"),
     "thinking": (lambda v: v is None or v == {"type": "disabled"}, "extended thinking"),
     "mcp_servers": (_empty, "MCP servers"),
 }
@@ -71,17 +69,24 @@ def refuse_unsupported(
             raise APIError(400, "invalid_request", message, param=param)
 
 
-def text_blocks(value: Any, text_type: str = "text") -> Any:
-    """A content value's blocks, checked to be text only: a clear error for an image,
-    audio, document or tool block (a plain union would report only that the content is
-    not a string). Strings and other shapes pass on to the model's own validation."""
+def text_blocks(value: Any, kinds: tuple[str, ...] = ("text",)) -> Any:
+    """A content value's blocks, checked to be of `kinds` only (text, by default): a clear
+    error for an image, audio or document block (a plain union would report only that
+    the content is not a string). Strings and other shapes pass on to the model's own
+    validation."""
     if isinstance(value, list):
         for i, block in enumerate(value):
             kind = block.get("type") if isinstance(block, dict) else None
-            if isinstance(kind, str) and kind != text_type:
+            if isinstance(kind, str) and kind not in kinds:
                 raise PydanticCustomError(
                     "unsupported_content",
-                    "block {index} is of type '{kind}': this model takes only '{text}' content",
-                    {"index": i, "kind": kind, "text": text_type},
+                    "block {index} is of type '{kind}': this model takes only {kinds} content",
+                    {"index": i, "kind": kind, "kinds": _one_of_names(kinds)},
                 )
     return value
+
+
+def _one_of_names(names: tuple[str, ...]) -> str:
+    """'a', 'b' or 'c'."""
+    quoted = [f"'{name}'" for name in names]
+    return " or ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
