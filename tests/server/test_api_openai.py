@@ -916,9 +916,8 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
     """A parameter this server does not serve, asked for, is a 400 naming it (not a reply
     that ignored it); the same parameter at its default value is no error."""
     refused_chat = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"tool_choice": "auto"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"modalities": ["text", "audio"]}, "modalities"),
         ({"logit_bias": {"cat": 1}}, "logit_bias"),
         ({"logit_bias": {"49152": 1}}, "logit_bias"),
@@ -937,14 +936,15 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
         assert error["param"] == param, fields
         assert error["message"].startswith(f"{param}: "), error
         assert error["type"] == "invalid_request_error"
-    tool_turn = [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1"}]},
+    function_turn = [
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
         {"role": "user", "content": "and then?"},
     ]
     error = _error(
-        httpx.post(server.url + CHAT_ROUTE, json=_chat_body(tool_turn), timeout=HTTP_TIMEOUT_S), 400
+        httpx.post(server.url + CHAT_ROUTE, json=_chat_body(function_turn), timeout=HTTP_TIMEOUT_S),
+        400,
     )
-    assert error["param"] == "messages.0.tool_calls"
+    assert error["param"] == "messages.0.function_call"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     error = _error(
         httpx.post(server.url + CHAT_ROUTE, json=_chat_body(image), timeout=HTTP_TIMEOUT_S), 400
@@ -969,9 +969,9 @@ def test_unsupported_parameters_are_400s_naming_them(server: LiveServer) -> None
         _client(server).chat.completions.create(
             model=MODEL,
             messages=EOS_CHAT,  # type: ignore[arg-type]
-            tools=[{"type": "function", "function": {"name": "f"}}],
+            functions=[{"name": "f", "parameters": {"type": "object"}}],
         )
-    assert info.value.param == "tools"
+    assert info.value.param == "functions"
     # At their defaults, the same fields ask for nothing.
     r = httpx.post(
         server.url + CHAT_ROUTE,

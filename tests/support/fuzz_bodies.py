@@ -227,7 +227,7 @@ CHAT_BODIES = bodies(
         "top_logprobs": field(st.one_of(st.integers(0, 20), st.none()), st.sampled_from([21, -1])),
         "tools": field(
             st.one_of(st.just([]), st.none()),
-            st.just([{"type": "function", "function": {"name": "f"}}]),
+            st.just([{"type": "function", "function": {"name": "not a name"}}]),
         ),
         "x_padding": PADDING,
     },

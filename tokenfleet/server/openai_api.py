@@ -32,6 +32,7 @@ from tokenfleet.server.bounds import (
     MAX_STOP_SEQUENCES_OPENAI,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKENS_MAX,
+    MAX_TOOL_ID_CHARS,
     SEED_MAX,
     SEED_MIN,
     TOP_K_MAX,
@@ -42,6 +43,7 @@ from tokenfleet.server.bounds import (
 )
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
+from tokenfleet.server.openai_tools import FunctionTool, ToolCallParams, ToolChoiceParam
 from tokenfleet.server.schemas import drop_nulls, nullable_fields
 from tokenfleet.server.service import (
     ClientDisconnected,
@@ -69,8 +71,10 @@ TokenId = Annotated[int, Field(ge=0, le=JSON_INT_MAX)]  # and within the vocabul
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_BLOCKS)] | None = None
+    tool_calls: ToolCallParams | None = None  # an assistant's (openai_tools.py)
+    tool_call_id: str | None = Field(None, max_length=MAX_TOOL_ID_CHARS)  # a tool result's
 
     _text_only = field_validator("content", mode="before")(text_blocks)
 
@@ -92,6 +96,7 @@ _NULLABLE = (
     "logprobs",
     "max_tokens",
     "echo",
+    "parallel_tool_calls",
 )
 
 
@@ -171,6 +176,9 @@ class CommonRequest(BaseModel):
 class ChatRequest(CommonRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     response_format: ResponseFormat | None = None
+    tools: list[FunctionTool] | None = None  # checked by openai_tools.chat_tools
+    tool_choice: ToolChoiceParam | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
     logprobs: bool = False

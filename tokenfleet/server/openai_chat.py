@@ -23,6 +23,7 @@ from tokenfleet.server.openai_api import (
     token_bytes,
     token_text,
 )
+from tokenfleet.server.openai_tools import ToolDeltas, chat_messages, chat_tools
 from tokenfleet.server.schemas import request_body
 from tokenfleet.server.service import GenerationService, TextDelta
 from tokenfleet.server.sse import EventStream, prime, sse_event
@@ -56,7 +57,8 @@ class ChatCall:
     prompt: list[int]
     max_tokens: int
     num_top: int | None  # top logprobs per token; None: no logprobs
-    constraint: Constraint | None  # what the output must match (response_format)
+    constraint: Constraint | None  # what the output must match (response_format, tools)
+    tools: bool  # whether the output is read back as text and calls (openai_tools.py)
 
 
 def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
@@ -69,14 +71,10 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
         refuse_unsupported(m, OPENAI_MESSAGE, f"messages.{i}.")
     body.check_bounds(service.vocab_size)
     check_engine_requests(body.n, service.config.max_engine_requests_per_request, "n")
-    messages = []
-    for m in body.messages:
-        content = (
-            m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        )
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    tools = chat_tools(body)
+    messages = chat_messages(body.messages, tools)
     mentions_json = any("json" in m["content"].lower() for m in messages)
-    constraint = openai_constraint(body.response_format, mentions_json)
+    constraint = tools.constraint() or openai_constraint(body.response_format, mentions_json)
     prompt = service.render_chat(messages)
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens
@@ -84,7 +82,7 @@ def prepare_chat(service: GenerationService, body: ChatRequest) -> ChatCall:
         max_tokens = max(service.max_model_len - len(prompt), 1)
     service.check_length(len(prompt), max_tokens, param)
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    return ChatCall(body, prompt, max_tokens, num_top, constraint)
+    return ChatCall(body, prompt, max_tokens, num_top, constraint, tools.active)
 
 
 async def run_chat(service: GenerationService, call: ChatCall, priority: str) -> dict[str, Any]:
@@ -130,9 +128,11 @@ async def _chat_completions(
     if body.stream:
 
         async def events() -> AsyncIterator[bytes]:
+            # With tools, content stays null until text comes (a reply of calls alone has none).
+            first = {"role": "assistant", "content": None if call.tools else ""}
+            readers = [ToolDeltas() for _ in range(body.n)] if call.tools else None
             for i in range(body.n):
-                delta = {"role": "assistant", "content": ""}
-                yield chunk([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+                yield chunk([{"index": i, "delta": first, "logprobs": None, "finish_reason": None}])
             async with contextlib.aclosing(merged):  # type: ignore[type-var]
                 try:
                     async for i, d in merged:
@@ -147,25 +147,18 @@ async def _chat_completions(
                         reason = (
                             FINISH_REASONS.get(d.finish_reason or "") if d.finish_reason else None
                         )
-                        if d.text or lp:
-                            choice = {
-                                "index": i,
-                                "delta": {"content": d.text},
-                                "logprobs": lp,
-                                "finish_reason": None,
-                            }
-                            yield chunk([choice])
+                        if readers is None:
+                            deltas = [{"content": d.text}] if d.text or lp else []
+                        else:
+                            deltas = readers[i].feed(d.text)
+                            if reason:
+                                last, reason = readers[i].finish(reason)
+                                deltas += last
+                            deltas = deltas or ([{}] if lp else [])
+                        for k, delta in enumerate(deltas):
+                            yield chunk([_delta_choice(i, delta, lp if k == 0 else None)])
                         if reason:
-                            yield chunk(
-                                [
-                                    {
-                                        "index": i,
-                                        "delta": {},
-                                        "logprobs": None,
-                                        "finish_reason": reason,
-                                    }
-                                ]
-                            )
+                            yield chunk([_delta_choice(i, {}, None, reason)])
                 except APIError as exc:
                     yield sse_event(openai_error_body(exc.kind, exc.message, exc.param))
                     return
@@ -195,15 +188,22 @@ async def _chat_body(
             run.count(i, d)
             if d.finish_reason:
                 reasons[i] = FINISH_REASONS.get(d.finish_reason, "stop")
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i], "refusal": None},
-            "logprobs": {"content": logprobs[i]} if call.num_top is not None else None,
-            "finish_reason": reasons[i],
-        }
-        for i in range(n)
-    ]
+    choices = []
+    for i in range(n):
+        message: dict[str, Any] = {"role": "assistant", "content": texts[i], "refusal": None}
+        if call.tools:  # the output read back as text and calls, as a stream reads it
+            reader = ToolDeltas()
+            reader.feed(texts[i])
+            reasons[i] = reader.finish(reasons[i])[1]
+            message = reader.message()
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": {"content": logprobs[i]} if call.num_top is not None else None,
+                "finish_reason": reasons[i],
+            }
+        )
     return {
         "id": run.id,
         "object": "chat.completion",
@@ -213,3 +213,9 @@ async def _chat_body(
         "choices": choices,
         "usage": run.usage(),
     }
+
+
+def _delta_choice(
+    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, reason: str | None = None
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

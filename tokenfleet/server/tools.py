@@ -143,7 +143,8 @@ def check_tools(tools: Sequence[Tool], choice: ToolChoice, param: str = "tools")
         if problem := schema_problem(json.dumps({**schema, "x-guidance": JSON_OPTIONS})):
             raise _bad(f"{its} is not supported: {problem}", where)
     if choice.mode in ("required", "named") and not tools:
-        raise _bad(f"{choice.mode!r} needs at least one tool")
+        asked = repr(choice.mode) if choice.name is None else f"calling {choice.name!r}"
+        raise _bad(f"{asked} needs at least one tool")
     if choice.name is not None and choice.name not in first:
         raise _bad(f"the tool {choice.name!r} is not among the request's tools")
 

@@ -27,8 +27,6 @@ def _one_of(*values: Any) -> Unasked:
 
 
 OPENAI_CHAT: Mapping[str, tuple[Unasked, str]] = {
-    "tools": (_empty, "tool calling"),
-    "tool_choice": (_one_of("none"), "tool calling"),
     "functions": (_empty, "function calling"),
     "function_call": (_one_of("none"), "function calling"),
     "audio": (_empty, "audio output"),
@@ -40,7 +38,6 @@ OPENAI_CHAT: Mapping[str, tuple[Unasked, str]] = {
     "min_tokens": (_one_of(0), "min_tokens"),
 }
 OPENAI_MESSAGE: Mapping[str, tuple[Unasked, str]] = {
-    "tool_calls": (_empty, "tool calling"),
     "function_call": (_empty, "function calling"),
     "audio": (_empty, "audio"),
 }
