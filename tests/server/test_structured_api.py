@@ -22,6 +22,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
+from support.tools import openai_batch_results
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.config import CacheConfig
@@ -299,7 +300,7 @@ def test_a_batch_of_500_classifications_every_result_parses_and_validates(
     does not validate counts as a failure, and there are none."""
     client = openai_client(server)
     names = list(SCHEMAS)
-    lines = []
+    bodies: dict[str, dict[str, Any]] = {}
     for n in range(NUM_BATCH):
         name = names[n % len(names)]
         body = {
@@ -316,27 +317,8 @@ def test_a_batch_of_500_classifications_every_result_parses_and_validates(
                 },
             },
         }
-        lines.append(
-            {
-                "custom_id": f"{name}-{n}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": body,
-            }
-        )
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    uploaded = client.files.create(file=("classify.jsonl", data), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    deadline = time.monotonic() + 900
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch.request_counts}"
-        time.sleep(1)
-    assert batch.status == "completed" and batch.output_file_id is not None
-    content = client.files.content(batch.output_file_id).content.decode()
-    results = [json.loads(line) for line in content.splitlines()]
-    assert sorted(r["custom_id"] for r in results) == sorted(line["custom_id"] for line in lines)
+        bodies[f"{name}-{n}"] = body
+    results = list(openai_batch_results(client, bodies, 900).values())
     failures: dict[str, str] = {}
     for result in results:
         name = result["custom_id"].split("-")[0]

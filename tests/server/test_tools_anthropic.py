@@ -20,32 +20,15 @@ from typing import Any
 import anthropic
 import pytest
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
+from support.tools import anthropic_tool
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.server.tools import Tool, ToolChoice, render_system, tool_constraint
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city now.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 30}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
-TIME = {
-    "name": "get_time",
-    "description": "The local time in a time zone.",
-    "input_schema": {
-        "type": "object",
-        "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
-        "required": ["zone"],
-        "additionalProperties": False,
-    },
-}
+WEATHER: Any = anthropic_tool("get_weather")
+TIME: Any = anthropic_tool("get_time")
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX_TOKENS = 60
 GREEDY = {"temperature": 0}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ import httpx
 import openai
 import pytest
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server
+from support.tools import openai_batch_results, openai_tool
 
 from tokenfleet import LLM, SamplingParams
 from tokenfleet.server.tools import (
@@ -37,32 +37,8 @@ from tokenfleet.server.tools import (
 
 pytestmark = pytest.mark.slow
 
-WEATHER: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city now.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 30}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME: Any = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The local time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "enum": ["UTC", "CET", "PST"]}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
+WEATHER: Any = openai_tool("get_weather")
+TIME: Any = openai_tool("get_time")
 ASK: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 MAX_TOKENS = 60
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
@@ -445,23 +421,7 @@ def test_a_batch_of_tool_calls_answers_as_the_sync_api(client: openai.OpenAI) ->
         }
         for city in CITIES
     ]
-    lines = [
-        {"custom_id": city, "method": "POST", "url": "/v1/chat/completions", "body": body}
-        for city, body in zip(CITIES, bodies, strict=True)
-    ]
-    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    uploaded = client.files.create(file=("tools.jsonl", data), purpose="batch")
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    deadline = time.monotonic() + 300
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, f"batch still {batch.status}"
-        time.sleep(0.5)
-    assert batch.status == "completed" and batch.output_file_id is not None
-    content = client.files.content(batch.output_file_id).content.decode()
-    results = {r["custom_id"]: r for r in map(json.loads, content.splitlines())}
-    assert sorted(results) == sorted(CITIES)
+    results = openai_batch_results(client, dict(zip(CITIES, bodies, strict=True)), 300)
     for city, body in zip(CITIES, bodies, strict=True):
         assert results[city]["response"]["status_code"] == 200
         batched = openai.types.chat.ChatCompletion.model_validate(results[city]["response"]["body"])

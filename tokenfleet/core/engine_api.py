@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from tokenfleet.core.sampling_params import SamplingParams
+from tokenfleet.errors import InvalidRequestError
 
 
 class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
@@ -31,6 +32,30 @@ class EngineCoreRequest(msgspec.Struct, omit_defaults=True):
     # for the new tokens alone, and a resume may not ask for prompt_logprobs (they came
     # with the first attempt). [] for a first attempt.
     output_token_ids: list[int] = []
+
+    def check_resume(self, vocab: int) -> None:
+        """A resumed request (output_token_ids): its earlier outputs are token ids, leave
+        max_tokens something to generate, and it asks for no prompt logprobs."""
+        earlier = self.output_token_ids
+        bad = next((t for t in earlier if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"output_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
+                param="output_token_ids",
+            )
+        max_tokens = self.sampling_params.max_tokens
+        if len(earlier) >= max_tokens:
+            raise InvalidRequestError(
+                f"the earlier attempt's {len(earlier)} output tokens already reach "
+                f"max_tokens ({max_tokens}): a resume has nothing left to generate",
+                param="max_tokens",
+            )
+        if self.sampling_params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt_logprobs cannot be asked for by a resumed request (one with "
+                "output_token_ids): they came with its first attempt",
+                param="prompt_logprobs",
+            )
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):

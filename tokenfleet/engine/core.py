@@ -11,22 +11,21 @@ lists every request that gained tokens or finished. Everything in and out is pla
 (outputs.py), so the core can sit behind a process boundary.
 
 A constrained request (SamplingParams.constraint) enters the scheduler only once its
-constraint is compiled (runner/grammar.py, worker threads): until then it waits here, in
-`_compiling`, and the steps go on without it. Each step fills the constrained rows' token
-masks beside the forward pass and advances their matchers with the sampled tokens.
+constraint is compiled (runner/grammar.py, worker threads): until then it waits in
+`_compiling` (grammar.CompileWaits), and the steps go on without it. Each step fills the
+constrained rows' token masks beside the forward pass and advances their matchers with
+the sampled tokens.
 
-(Over 400 lines: admission, the step and the stats read the same per-request bookkeeping,
-the classes requests came as, their first-token times and the compiles they wait for.)
+(Over 400 lines: admission, the step and the stats read the same per-request bookkeeping:
+the classes requests came as, their first-token times, the requests waiting for compiles.)
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-import llguidance
 import msgspec
 import torch
 
@@ -49,19 +48,16 @@ from tokenfleet.models.config import ModelConfig
 from tokenfleet.policy.harvest import PriorityBudgets
 from tokenfleet.policy.step_model import StepModelConfig, StepTimeModel, step_features
 from tokenfleet.runner.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
-from tokenfleet.runner.grammar import ConstraintError, GrammarCompiler, Matchers
+from tokenfleet.runner.grammar import (
+    CompileWaits,
+    Compiling,
+    ConstraintError,
+    GrammarCompiler,
+    Matchers,
+)
 from tokenfleet.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class _Compiling:
-    """A constrained request waiting for its constraint's compile, and until when."""
-
-    request: Request
-    future: Future[llguidance.LLMatcher]
-    deadline: float
 
 
 class EngineCore:
@@ -130,11 +126,10 @@ class EngineCore:
                 )
             except Exception as exc:  # the model serves all the same, unconstrained
                 logger.warning("constrained decoding is off: %s", exc)
-                self._no_grammar = f"this replica cannot compile constraints: its tokenizer: {exc}"[
-                    :500
-                ]
+                reason = f"this replica cannot compile constraints: its tokenizer: {exc}"
+                self._no_grammar = reason[:500]
         self.matchers = Matchers(self.model_config.vocab_size, eos_ids)
-        self._compiling: dict[str, _Compiling] = {}
+        self._compiling = CompileWaits()
         # Predicts a step's runner time (the harvest budget, admission control); profiled
         # now, refitted from every step. The fixed runner does no work worth modelling.
         self.step_model = StepTimeModel(step_model_config)
@@ -204,7 +199,7 @@ class EngineCore:
             )
         earlier = request.output_token_ids
         if earlier:
-            self._check_resume(request)
+            request.check_resume(self.model_config.vocab_size)
         max_tokens = params.max_tokens
         # A resume's earlier outputs are part of max_tokens: prompt + earlier + remaining.
         if len(prompt) + max_tokens > self.max_model_len:
@@ -237,7 +232,7 @@ class EngineCore:
             self.scheduler.add_request(scheduled)
         else:
             # Waits out of the scheduler until its matcher exists; a cached compile at once.
-            waiting = _Compiling(
+            waiting = Compiling(
                 scheduled,
                 self.grammar.compile(params.constraint),
                 time.monotonic() + self.config.grammar_compile_timeout_s,
@@ -245,37 +240,12 @@ class EngineCore:
             if waiting.future.done():
                 self._admit(waiting)
             else:
-                self._compiling[request.req_id] = waiting
+                self._compiling.add(waiting)
         if fcfs and not interactive:
             self._fcfs_batch.add(request.req_id)
         self._taken.append((request.req_id, "interactive" if interactive else "batch"))
 
-    def _check_resume(self, request: EngineCoreRequest) -> None:
-        """A resumed request (output_token_ids): its earlier outputs are token ids, leave
-        max_tokens something to generate, and it asks for no prompt logprobs."""
-        earlier = request.output_token_ids
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in earlier if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"output_token_ids: token id {bad} is outside the vocabulary [0, {vocab})",
-                param="output_token_ids",
-            )
-        max_tokens = request.sampling_params.max_tokens
-        if len(earlier) >= max_tokens:
-            raise InvalidRequestError(
-                f"the earlier attempt's {len(earlier)} output tokens already reach "
-                f"max_tokens ({max_tokens}): a resume has nothing left to generate",
-                param="max_tokens",
-            )
-        if request.sampling_params.prompt_logprobs is not None:
-            raise InvalidRequestError(
-                "prompt_logprobs cannot be asked for by a resumed request (one with "
-                "output_token_ids): they came with its first attempt",
-                param="prompt_logprobs",
-            )
-
-    def _admit(self, waiting: _Compiling) -> None:
+    def _admit(self, waiting: Compiling) -> None:
         """A compiled request into the scheduler with its matcher, or ended with the error
         that its constraint's compile, or replaying its earlier outputs, gave."""
         request = waiting.request
@@ -297,15 +267,12 @@ class EngineCore:
 
     def _admit_compiled(self, now: float) -> None:
         """The waiting requests whose compile ended, in; those past their time limit, out."""
-        for req_id, waiting in list(self._compiling.items()):
-            if waiting.future.done():
-                del self._compiling[req_id]
-                self._admit(waiting)
-            elif now >= waiting.deadline:
-                del self._compiling[req_id]
-                limit = self.config.grammar_compile_timeout_s
-                message = f"constraint: compiling it took over the limit of {limit:g} s"
-                self._pending.append(self._error(req_id, message))
+        done, late = self._compiling.take_ended(now)
+        for waiting in done:
+            self._admit(waiting)
+        limit = self.config.grammar_compile_timeout_s
+        message = f"constraint: compiling it took over the limit of {limit:g} s"
+        self._pending.extend(self._error(req_id, message) for req_id in late)
 
     @staticmethod
     def _error(req_id: str, message: str) -> EngineCoreOutput:
@@ -313,7 +280,7 @@ class EngineCore:
 
     def abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
-            if self._compiling.pop(req_id, None) is not None:
+            if self._compiling.pop(req_id) is not None:
                 self._pending.append(EngineCoreOutput(req_id, [], finish_reason="abort"))
         self._pending.extend(self.scheduler.abort_requests(req_ids))
         self._forget(req_ids)
@@ -325,7 +292,7 @@ class EngineCore:
         ids = list(errors)
         self.scheduler.abort_requests(ids)
         for req_id in ids:
-            self._compiling.pop(req_id, None)
+            self._compiling.pop(req_id)
         self._forget(ids)
         return [self._error(req_id, message) for req_id, message in errors.items()]
 
@@ -355,17 +322,13 @@ class EngineCore:
         input instead of stepping (step() would wait for them)."""
         if self.scheduler.has_unfinished_requests() or self._pending:
             return True
-        now = time.monotonic()
-        return any(w.future.done() or now >= w.deadline for w in self._compiling.values())
+        return self._compiling.any_ended(time.monotonic())
 
     def step(self, now: float | None = None) -> EngineCoreOutputs:
         if self._compiling:
             if not self.scheduler.has_unfinished_requests() and not self._pending:
                 # Nothing else to do: wait for the first compile to end (or time out).
-                first = min(w.deadline for w in self._compiling.values())
-                futures = {w.future for w in self._compiling.values()}
-                timeout = max(0.0, first - time.monotonic())
-                wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+                self._compiling.wait_first()
             self._admit_compiled(time.monotonic())
         if self._taken:
             started = time.monotonic()
@@ -458,7 +421,7 @@ class EngineCore:
             )
         # Requests waiting for their constraint's compile count as waiting.
         num_waiting = len(scheduler.waiting) + len(self._compiling)
-        num_waiting_interactive += sum(interactive(w.request) for w in self._compiling.values())
+        num_waiting_interactive += sum(interactive(r) for r in self._compiling.requests())
 
         prefill_left: list[int] = []
         decoding = {"interactive": 0, "batch": 0}

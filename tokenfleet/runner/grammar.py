@@ -34,9 +34,11 @@ beyond a set lookup, so their greedy output is the same as without constrained n
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ import llguidance
 import numpy as np
 import torch
 
+from tokenfleet.core.request import Request
 from tokenfleet.core.sampling_params import JSON_OPTIONS, Constraint, SamplingParams
 from tokenfleet.core.scheduler_output import SchedulerOutput
 
@@ -140,6 +143,60 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Compiling:
+    """A constrained request waiting for its constraint's compile, and until when."""
+
+    request: Request
+    future: Future[llguidance.LLMatcher]
+    deadline: float
+
+    def ended(self, now: float) -> bool:
+        return self.future.done() or now >= self.deadline
+
+
+class CompileWaits:
+    """The constrained requests waiting out of the scheduler for their compile, by id: the
+    engine takes each in once its compile ends, or ends it once its time limit passes."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, Compiling] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._waiting
+
+    def requests(self) -> list[Request]:
+        return [w.request for w in self._waiting.values()]
+
+    def add(self, waiting: Compiling) -> None:
+        self._waiting[waiting.request.req_id] = waiting
+
+    def pop(self, req_id: str) -> Compiling | None:
+        return self._waiting.pop(req_id, None)
+
+    def any_ended(self, now: float) -> bool:
+        """Whether a compile ended or ran out of time: a request to take in or end."""
+        return any(w.ended(now) for w in self._waiting.values())
+
+    def take_ended(self, now: float) -> tuple[list[Compiling], list[str]]:
+        """Those whose compile ended, and the ids of those past their time limit, no longer
+        waiting."""
+        done = [w for w in self._waiting.values() if w.future.done()]
+        late = [i for i, w in self._waiting.items() if not w.future.done() and now >= w.deadline]
+        for req_id in [w.request.req_id for w in done] + late:
+            del self._waiting[req_id]
+        return done, late
+
+    def wait_first(self) -> None:
+        """Blocks until the first compile ends or the first time limit passes."""
+        first = min(w.deadline for w in self._waiting.values())
+        futures = {w.future for w in self._waiting.values()}
+        wait(futures, timeout=max(0.0, first - time.monotonic()), return_when=FIRST_COMPLETED)
 
 
 # Byte b of an inverted bitmask (bit k set: token 8i + k disallowed) -> its 8 tokens' biases,
