@@ -75,6 +75,7 @@ import msgspec
 import torch
 from common.log import log
 from common.results import RunStart, args_json, format_table, write_result
+from common.schemas import closed_object
 from common.stats import percentile
 
 import tokenfleet.engine.core as core_module
@@ -120,33 +121,24 @@ PARTS = {  # part -> group, in the order a step runs them
 GROUPS = ("scheduling", "inputs", "outputs", "messaging", "other")
 
 
-def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
-
-
 # Long strings, so that a constrained row runs about as long as the others (max_tokens
 # ends most of them) and the constrained share of rows is about that of requests.
 SCHEMAS = tuple(
     Constraint("json_schema", json.dumps(schema))
     for schema in (
-        _object(
+        closed_object(
             {
                 "summary": {"type": "string", "maxLength": 2000},
                 "score": {"type": "integer", "minimum": 0, "maximum": 10},
             }
         ),
-        _object(
+        closed_object(
             {
                 "title": {"type": "string", "maxLength": 200},
                 "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 50},
             }
         ),
-        _object(
+        closed_object(
             {
                 "verdict": {"enum": ["yes", "no", "unsure"]},
                 "reason": {"type": "string", "maxLength": 2000},

@@ -47,6 +47,7 @@ from typing import Any
 
 from common.log import log
 from common.results import cpu_busy_fraction, format_table, run_and_write
+from common.schemas import closed_object
 from common.stats import percentile
 
 from tokenfleet import SamplingParams
@@ -77,35 +78,26 @@ TOOL_CALL = (
 )
 
 
-def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
-
-
 def named_schema(name: str, variant: int | None = None) -> Constraint:
     """A schema of the named set; a variant has its property names suffixed with its number."""
     s = "" if variant is None else f"_{variant}"
     if name == "enum":
-        schema = _object({f"sentiment{s}": {"enum": ["positive", "negative", "neutral"]}})
+        schema = closed_object({f"sentiment{s}": {"enum": ["positive", "negative", "neutral"]}})
     elif name == "bounded":
-        schema = _object(
+        schema = closed_object(
             {
                 f"title{s}": {"type": "string", "minLength": 1, "maxLength": 20},
                 f"score{s}": {"type": "number", "minimum": 0, "maximum": 10},
             }
         )
     else:
-        item = _object(
+        item = closed_object(
             {
                 f"name{s}": {"type": "string", "maxLength": 12},
                 f"qty{s}": {"type": "integer", "minimum": 1, "maximum": 9},
             }
         )
-        schema = _object({f"items{s}": {"type": "array", "maxItems": 2, "items": item}})
+        schema = closed_object({f"items{s}": {"type": "array", "maxItems": 2, "items": item}})
     return Constraint("json_schema", json.dumps(schema))
 
 

@@ -2,6 +2,7 @@
 scripts run as `python bench/<script>.py`, so bench/ is on sys.path).
 
     log          a timestamped progress line
+    schemas      the JSON schemas of the constrained-decoding benchmarks
     results      tables, a run's JSON and PNG, the machine it ran on, CPU busyness
     server       free ports; `tokenfleet serve` and peer servers started, awaited, stopped
     fleet        `serve --replicas N` on a Ray instance of its own, awaited until all are ready
