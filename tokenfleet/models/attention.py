@@ -103,9 +103,10 @@ class AttentionMetadata:
             offset += num_query
         num_decodes = offset - sum(p.num_query for p in prefills)
         max_blocks = max((len(t) for t in tables), default=0)
-        table = torch.zeros((len(tables), max_blocks), dtype=torch.long)
-        for i, ids in enumerate(tables):
-            table[i, : len(ids)] = torch.tensor(ids)
+        # One tensor from padded lists: a tensor per row costs ~20 us a row here.
+        table = torch.tensor(
+            [ids + [0] * (max_blocks - len(ids)) for ids in tables], dtype=torch.long
+        ).reshape(len(tables), max_blocks)
         key_pos = torch.arange(max_blocks * block_size)
         context_lens = torch.tensor(lens, dtype=torch.long)
         decode_lens = context_lens[:num_decodes, None]
