@@ -156,6 +156,11 @@ class EngineConfig:
     # class in arrival order and no harvest budget (vLLM's default), for comparisons.
     scheduling_policy: str = "priority"
     grammar_compile_timeout_s: float = 5.0
+    # Plan step n+1 while step n's forward runs (engine/forward.py); False: one after the
+    # other (`--no-overlap`, for comparison); None: on, except for the model on a CPU
+    # whose torch threads take every core this process may use (the planning would then
+    # take a core from the forward: measured slower, docs/benchmarks.md).
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         if self.grammar_compile_timeout_s <= 0:

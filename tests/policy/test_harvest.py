@@ -697,7 +697,7 @@ def test_fixed_runner_fcfs_policy_is_arrival_order_without_a_harvest_budget(
     assert (
         stats.num_running_by_class == stats.num_waiting_by_class == {"interactive": 0, "batch": 0}
     )
-    assert engine._fcfs_batch == set()
+    assert engine.fcfs_batch_ids == set()
     with pytest.raises(ValueError, match="scheduling_policy"):
         EngineConfig(scheduling_policy="lifo")
 

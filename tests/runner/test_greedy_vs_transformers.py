@@ -1,5 +1,6 @@
 """Greedy token ids equal Hugging Face transformers' on the same folder, token for token,
-however the engine batches, chunks, shares prefixes or preempts."""
+however the engine batches, chunks, shares prefixes or preempts, with its overlap (the
+default: the next step planned while one runs) and without."""
 
 from __future__ import annotations
 
@@ -119,8 +120,9 @@ def test_float16_kv_cache_holds_twice_the_tokens_and_matches_transformers(
     assert _ids(llm.generate(prompts, GREEDY)) == expected
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_batched_chunked_prefill_matches_transformers(
-    model_folder: Path, prompts: list[list[int]], expected: list[list[int]]
+    model_folder: Path, prompts: list[list[int]], expected: list[list[int]], overlap: bool
 ) -> None:
     budget = 24
     assert max(len(p) for p in prompts) > budget  # every prompt needs several chunks
@@ -130,9 +132,11 @@ def test_batched_chunked_prefill_matches_transformers(
         max_num_batched_tokens=budget,
         kv_cache_memory=64 << 20,
         enable_prefix_caching=False,
+        overlap=overlap,
     )
     assert _ids(llm.generate(prompts, GREEDY)) == expected
     assert llm.engine.scheduler.num_preemptions == 0
+    assert (llm.engine.num_steps_planned_ahead > 0) == overlap
 
 
 def test_shared_system_prompt_hits_prefix_cache_and_matches_transformers(
@@ -153,13 +157,17 @@ def test_shared_system_prompt_hits_prefix_cache_and_matches_transformers(
     assert kv.num_prefix_queries == sum(len(p) for p in shared_prompts)
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_preemption_under_small_kv_budget_matches_transformers(
-    model_folder: Path, prompts: list[list[int]], expected: list[list[int]]
+    model_folder: Path, prompts: list[list[int]], expected: list[list[int]], overlap: bool
 ) -> None:
     bytes_per_block = 2 * 30 * 3 * 64 * 4 * BLOCK_SIZE
     num_blocks = 14  # room for about two requests of the eight at once
     llm = LLM(
-        str(model_folder), block_size=BLOCK_SIZE, kv_cache_memory=num_blocks * bytes_per_block
+        str(model_folder),
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=num_blocks * bytes_per_block,
+        overlap=overlap,
     )
     assert llm.engine.kv.pool.num_blocks == num_blocks
     assert _ids(llm.generate(prompts, GREEDY)) == expected

@@ -16,6 +16,8 @@ from tokenfleet import envs
 from tokenfleet.cli.common import env_help, path
 from tokenfleet.config import KV_CACHE_DTYPES, FleetConfig
 
+_OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.overlap
+
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -66,6 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
             min_prefill_chunk=args.min_prefill_chunk,
             batch_step_limit_s=args.batch_step_limit,
             scheduling_policy=args.scheduling_policy,
+            overlap=_OVERLAP["off" if args.no_overlap else args.overlap],
         )
         config = ServeConfig(
             host=args.host,
@@ -430,6 +433,14 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         help="times a request may move to another replica before it ends with an error "
         "(default %(default)s)",
     )
+    add(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="plan each engine step while the previous one's forward runs: auto (the "
+        "default) is on, except for the model on a CPU whose torch threads take every core",
+    )
+    add("--no-overlap", action="store_true", help="the same as --overlap off")
     add(
         "--runner",
         choices=("model", "fixed"),

@@ -37,11 +37,14 @@ def compute_block_hashes(
     block_size: int,
     hashes: list[int] | None = None,
     cache_salt: str | None = None,
+    num_tokens: int | None = None,
 ) -> list[int]:
-    """Extend `hashes` (the hashes already known) to every full block of `token_ids`."""
+    """Extend `hashes` (the hashes already known) to every full block of `token_ids`, or
+    of its first `num_tokens` (those known, when placeholders follow)."""
     hashes = [] if hashes is None else hashes
     parent = hashes[-1] if hashes else root_hash(cache_salt)
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+    end = len(token_ids) if num_tokens is None else num_tokens
+    for start in range(len(hashes) * block_size, end - block_size + 1, block_size):
         parent = hash_block_tokens(parent, tuple(token_ids[start : start + block_size]))
         hashes.append(parent)
     return hashes
@@ -152,12 +155,17 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request) -> None:
         compute_block_hashes(
-            request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
+            request.all_token_ids,
+            self.block_size,
+            request.block_hashes,
+            request.cache_salt,
+            request.num_known_tokens,
         )
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register the blocks that this step fills with known tokens."""
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        """Register the blocks that this step fills with known tokens (a block that holds a
+        placeholder waits for a later step's allocation)."""
+        num_full = min(num_tokens, request.num_known_tokens) // self.block_size
         num_cached = self._num_cached_blocks.get(request.req_id, 0)
         if num_full <= num_cached:
             return

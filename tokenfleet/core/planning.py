@@ -146,6 +146,8 @@ class StepPlanner:
         for request in [r for r in self.running if r.priority == priority]:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted for one served before it in this loop
+            if request.num_placeholders and self._ends_in_flight(request):
+                continue  # a step still running samples its last token
             num_to_go = request.num_tokens - request.num_computed_tokens
             num_new = min(num_to_go, plan.tokens_for(request, num_to_go))
             if num_new == 0:
@@ -256,6 +258,11 @@ class StepPlanner:
             )
         ]
         return max(candidates, key=lambda r: (r.priority, r.arrival_time), default=None)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether a request with tokens still being sampled (placeholders: the Scheduler
+        planning ahead) reaches its end with them. Here, never."""
+        return False
 
     def _preempt(self, plan: StepPlan, request: Request) -> None:
         self.running.remove(request)

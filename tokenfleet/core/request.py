@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 PRIORITY_INTERACTIVE = 0
 PRIORITY_BATCH = 1
 
+# The token id that holds the place of a token being sampled by a step still running (the
+# engine's overlap: the next step is planned before the current one's tokens are known).
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -87,6 +91,9 @@ class Request:
         # prompt (a prefill over both), counted as outputs.
         self.all_token_ids: list[int] = [*prompt_token_ids, *output_token_ids]
         self.num_computed_tokens = 0
+        # Trailing PLACEHOLDERs in all_token_ids: tokens that steps still running sample
+        # (the engine's overlap; 0 otherwise). Each step's result fills the first.
+        self.num_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
         self.num_preemptions = 0
@@ -126,8 +133,28 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
 
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are known: num_tokens less the placeholders."""
+        return len(self.all_token_ids) - self.num_placeholders
+
     def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
+        """The next output token: in the first placeholder's place, if there is one."""
+        if self.num_placeholders:
+            self.all_token_ids[-self.num_placeholders] = token_id
+            self.num_placeholders -= 1
+        else:
+            self.all_token_ids.append(token_id)
+
+    def add_placeholder(self) -> None:
+        """A token that a step still running samples, appended before it is known."""
+        self.all_token_ids.append(PLACEHOLDER)
+        self.num_placeholders += 1
+
+    def retract_placeholder(self) -> None:
+        """The first placeholder taken back: its step gave the request no token."""
+        del self.all_token_ids[-self.num_placeholders]
+        self.num_placeholders -= 1
 
     def __repr__(self) -> str:
         return (

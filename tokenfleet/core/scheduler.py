@@ -5,6 +5,15 @@ when blocks or sequence slots run out) is planning.py's rule, shared with admiss
 replay; the Scheduler gives it the KV cache (the hooks below: blocks, the interactive
 reserve, prefix hits), commits the plan into a SchedulerOutput, and applies the sampled
 tokens. Time is passed in.
+
+Planning ahead (`plan_ahead`, the engine's overlap): the next step may be planned while
+the current one runs, before its tokens are known. A row that samples then leaves a
+PLACEHOLDER token (request.py) at commit, which the next plan schedules as that request's
+decode (the engine fills its id in when the current step returns) and the step's result
+replaces. A request whose tokens in flight reach max_tokens or the context length is not
+planned again (it ends by length when they land); one that ends otherwise (a stop token,
+a complete grammar, an abort) costs the step planned ahead one row, whose token update()
+then drops. Off, schedule() and update() alternate and no placeholder is ever made.
 """
 
 from __future__ import annotations
@@ -23,9 +32,16 @@ from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 
 
 class Scheduler(StepPlanner):
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        *,
+        plan_ahead: bool = False,
+    ) -> None:
         super().__init__(config)
         self.kv = kv_cache_manager
+        self.plan_ahead = plan_ahead
         self._finished_req_ids: set[str] = set()
         self.reserve = InteractiveReserve(
             kv_cache_manager.pool.num_blocks,
@@ -40,6 +56,9 @@ class Scheduler(StepPlanner):
         self.num_preemptions_by_priority = {PRIORITY_INTERACTIVE: 0, PRIORITY_BATCH: 0}
         self.num_preemptions = 0
         self.num_steps = 0
+        # Rows of steps planned ahead whose requests ended before the step did (their
+        # tokens dropped): at most one a request.
+        self.num_rows_dropped = 0
 
     # -- requests in and out -------------------------------------------------------
 
@@ -88,7 +107,7 @@ class Scheduler(StepPlanner):
         )
         self.reserve_blocks = self.reserve.blocks(now)
         self.plan_step(plan, ask)
-        scheduled = self._commit(plan)
+        scheduled, requests = self._commit(plan)
         self.reserve.observe(now, self._num_interactive_blocks())
         finished = frozenset(self._finished_req_ids)
         self._finished_req_ids.clear()
@@ -97,6 +116,7 @@ class Scheduler(StepPlanner):
             scheduled=scheduled,
             finished_req_ids=finished,
             preempted_req_ids=tuple(r.req_id for r in plan.preempted),
+            requests=requests,
         )
 
     # -- the KV cache, as planning.py's rule asks about it -----------------------------
@@ -135,9 +155,20 @@ class Scheduler(StepPlanner):
         by_priority = self.num_preemptions_by_priority
         by_priority[request.priority] = by_priority.get(request.priority, 0) + 1
 
-    def _commit(self, plan: StepPlan) -> list[ScheduledRequest]:
-        """The planned tokens, in running order, counted as computed from now on."""
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the tokens of steps still running take the request to its max_tokens or
+        the context length: it ends by length when they land, and is not planned again."""
+        return (
+            request.num_output_tokens >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        )
+
+    def _commit(self, plan: StepPlan) -> tuple[list[ScheduledRequest], tuple[Request, ...]]:
+        """The planned tokens, in running order, counted as computed from now on; and the
+        requests they are of, in the same order."""
         scheduled = []
+        requests = []
+        plan_ahead = self.plan_ahead
         for request in self.running:
             num_new = plan.num_scheduled.get(request.req_id)
             if num_new is None:
@@ -168,9 +199,12 @@ class Scheduler(StepPlanner):
                     ),
                 )
             )
+            requests.append(request)
             # Counted as computed now: the step is committed once planned.
             request.num_computed_tokens += num_new
-        return scheduled
+            if sample and plan_ahead:
+                request.add_placeholder()
+        return scheduled, tuple(requests)
 
     def _num_interactive_blocks(self) -> int:
         """Blocks held by running interactive requests (a shared block counts once)."""
@@ -196,11 +230,16 @@ class Scheduler(StepPlanner):
         grammar allows nothing more): they end with "stop"."""
         outputs = []
         finished = []
-        for scheduled in scheduler_output.scheduled:
-            token_id = runner_output.sampled_token_ids.get(scheduled.req_id)
-            request = self.requests.get(scheduled.req_id)
-            if request is None:
+        sampled = runner_output.sampled_token_ids
+        for scheduled, request in zip(
+            scheduler_output.scheduled, scheduler_output.requests, strict=True
+        ):
+            if request.status.finished:  # ended since (planned ahead, aborted): dropped
+                self.num_rows_dropped += 1
                 continue
+            token_id = sampled.get(scheduled.req_id)
+            if token_id is None and scheduled.sample and request.num_placeholders:
+                request.retract_placeholder()
             scored = runner_output.prompt_logprobs.get(scheduled.req_id)
             if scored is not None and request.prompt_logprobs is not None:
                 first, entries = scored  # by position: a recomputed chunk writes the same
@@ -222,6 +261,8 @@ class Scheduler(StepPlanner):
                 request.prompt_logprobs = None
             if status is not None:
                 finished.append(request)
+                if request.status == RequestStatus.PREEMPTED:  # by a plan made ahead
+                    self.waiting.remove(request)
                 self._finish(request, status)
                 output.finish_reason = status.finish_reason
                 output.stop_token_id = request.stop_token_id
@@ -245,9 +286,11 @@ class Scheduler(StepPlanner):
             if token_id == request.eos_token_id:  # EOS ended the grammar under ignore_eos
                 request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens:
+        # Known tokens: those of steps still running are not the request's yet.
+        num_known = request.num_known_tokens
+        if num_known - request.num_prompt_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if num_known >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenfleet.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenfleet.core.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,10 @@ class SchedulerOutput:
     # per-request state for the finished ones.
     finished_req_ids: frozenset[str]
     preempted_req_ids: tuple[str, ...]
+    # The scheduler's own: the request of each scheduled row, in order, for update() (by
+    # object, not id: an id ended and reused while a step ran is another request). The
+    # runner never reads it.
+    requests: tuple[Request, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:

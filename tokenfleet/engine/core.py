@@ -2,6 +2,17 @@
 
     step(): scheduler.schedule(now) -> model_runner.execute() -> scheduler.update()
 
+With the overlap (EngineConfig.overlap; engine/forward.py) the forward runs on a thread of
+its own, and each call plans the next step while the current one runs:
+
+    plan n+1 | wait for n | start n+1 (n's tokens into its placeholders) | update(n)
+             [------ forward n ------]  [------------ forward n+1 ------------ ...
+
+so the accelerator waits only for the launch of n+1 (its inputs, the constrained rows'
+matchers advanced by n's tokens), not for the planning or n's outputs. A request that
+ends in n (a stop token, a complete grammar, an abort) costs n+1 one row, whose token
+update() drops (Scheduler: planning ahead); one that ends by length costs none.
+
 The scheduler asks the core for each step's harvest budget once it has planned the
 interactive part (harvest.py): batch joins only while the step-time model predicts the
 step within the TPOT target.
@@ -12,17 +23,19 @@ lists every request that gained tokens or finished. Everything in and out is pla
 
 A constrained request (SamplingParams.constraint) enters the scheduler only once its
 constraint is compiled (runner/grammar.py, worker threads): until then it waits in
-`_compiling` (grammar.CompileWaits), and the steps go on without it. Each step fills the
+`compiling` (grammar.CompileWaits), and the steps go on without it. Each step fills the
 constrained rows' token masks beside the forward pass and advances their matchers with
 the sampled tokens.
 
-(Over 400 lines: admission, the step and the stats read the same per-request bookkeeping:
-the classes requests came as, their first-token times, the requests waiting for compiles.)
+(Over 400 lines: admission and the step read the same per-request bookkeeping: the
+classes requests came as, their first-token times, the requests waiting for compiles, the
+step in flight.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 
@@ -42,11 +55,19 @@ from tokenfleet.core.engine_api import (
 from tokenfleet.core.kv_cache import KVCacheManager
 from tokenfleet.core.request import PRIORITY_INTERACTIVE, Request
 from tokenfleet.core.scheduler import Scheduler
+from tokenfleet.core.scheduler_output import SchedulerOutput
+from tokenfleet.engine.forward import Forwards, Launched, fill_placeholders
+from tokenfleet.engine.stats import engine_stats
 from tokenfleet.engine.step_profile import profile_step_time
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.policy.harvest import PriorityBudgets
-from tokenfleet.policy.step_model import StepModelConfig, StepTimeModel, step_features
+from tokenfleet.policy.step_model import (
+    StepFeatures,
+    StepModelConfig,
+    StepTimeModel,
+    step_features,
+)
 from tokenfleet.runner.fixed_runner import FIXED_NUM_BLOCKS, FixedTokenRunner
 from tokenfleet.runner.grammar import (
     CompileWaits,
@@ -106,7 +127,9 @@ class EngineCore:
         )
         scheduler_config = config.scheduler.under(config.scheduling_policy)
         self.scheduler = Scheduler(
-            replace(scheduler_config, max_model_len=self.max_model_len), self.kv
+            replace(scheduler_config, max_model_len=self.max_model_len),
+            self.kv,
+            plan_ahead=self._overlap(config),
         )
         self.eos_token_id = (
             self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
@@ -129,7 +152,7 @@ class EngineCore:
                 reason = f"this replica cannot compile constraints: its tokenizer: {exc}"
                 self._no_grammar = reason[:500]
         self.matchers = Matchers(self.model_config.vocab_size, eos_ids)
-        self._compiling = CompileWaits()
+        self.compiling = CompileWaits()
         # Predicts a step's runner time (the harvest budget, admission control); profiled
         # now, refitted from every step. The fixed runner does no work worth modelling.
         self.step_model = StepTimeModel(step_model_config)
@@ -141,7 +164,7 @@ class EngineCore:
         self.last_batch_token_budget: int | None = None
         # Under fcfs every request is scheduled as one class; the ids that came as batch,
         # so that stats (and the batch dispatcher's view of the engine) still count them.
-        self._fcfs_batch: set[str] = set()
+        self.fcfs_batch_ids: set[str] = set()
         # The engine's own time to first token, by the class a request came as: from the
         # start of the first step after it was taken to the end of the step that gave its
         # first token (what the gateway adds is the rest, the engine process's wait for
@@ -149,9 +172,27 @@ class EngineCore:
         # waiting for their first token (since when, and the class); sum and count so far.
         self._taken: list[tuple[str, str]] = []
         self._awaiting_first: dict[str, tuple[float, str]] = {}
-        self._ttft_sum_s = {"interactive": 0.0, "batch": 0.0}
-        self._ttft_count = {"interactive": 0, "batch": 0}
+        self.ttft_sum_s = {"interactive": 0.0, "batch": 0.0}
+        self.ttft_count = {"interactive": 0, "batch": 0}
         self.last_step_time = time.monotonic()  # the heartbeat the gateway's health reads
+        # The forwards, inline or beside the planning of the next step (the overlap); the
+        # step whose forward runs now, planned ahead; the ids of requests ended since the
+        # latest forward began, for the next one (the runner forgets them).
+        self.forwards = Forwards(self.runner, overlap=self._overlap(config))
+        self._in_flight: Launched | None = None
+        self._unsent_finished: frozenset[str] = frozenset()
+        self.num_steps_planned_ahead = 0
+
+    @staticmethod
+    def _overlap(config: EngineConfig) -> bool:
+        """EngineConfig.overlap, or when unset: on but for the model on a CPU whose torch
+        threads take every core this process may use."""
+        if config.overlap is not None:
+            return config.overlap
+        if config.runner != "model" or config.device != "cpu":
+            return True
+        threads = config.num_threads or envs.num_threads() or torch.get_num_threads()
+        return threads < len(os.sched_getaffinity(0))
 
     def profile_step_time(self) -> None:
         """Time synthetic steps on the runner (blocks borrowed from the pool and given
@@ -209,7 +250,7 @@ class EngineCore:
                 f"{self.max_model_len}",
                 param="max_tokens",
             )
-        if request.req_id in self.scheduler.requests or request.req_id in self._compiling:
+        if request.req_id in self.scheduler.requests or request.req_id in self.compiling:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use", param="req_id")
         if params.constraint is not None and self.grammar is None:
             raise InvalidRequestError(self._no_grammar, param="constraint")
@@ -240,9 +281,9 @@ class EngineCore:
             if waiting.future.done():
                 self._admit(waiting)
             else:
-                self._compiling.add(waiting)
+                self.compiling.add(waiting)
         if fcfs and not interactive:
-            self._fcfs_batch.add(request.req_id)
+            self.fcfs_batch_ids.add(request.req_id)
         self._taken.append((request.req_id, "interactive" if interactive else "batch"))
 
     def _admit(self, waiting: Compiling) -> None:
@@ -267,7 +308,7 @@ class EngineCore:
 
     def _admit_compiled(self, now: float) -> None:
         """The waiting requests whose compile ended, in; those past their time limit, out."""
-        done, late = self._compiling.take_ended(now)
+        done, late = self.compiling.take_ended(now)
         for waiting in done:
             self._admit(waiting)
         limit = self.config.grammar_compile_timeout_s
@@ -280,7 +321,7 @@ class EngineCore:
 
     def abort(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
-            if self._compiling.pop(req_id) is not None:
+            if self.compiling.pop(req_id) is not None:
                 self._pending.append(EngineCoreOutput(req_id, [], finish_reason="abort"))
         self._pending.extend(self.scheduler.abort_requests(req_ids))
         self._forget(req_ids)
@@ -292,14 +333,14 @@ class EngineCore:
         ids = list(errors)
         self.scheduler.abort_requests(ids)
         for req_id in ids:
-            self._compiling.pop(req_id)
+            self.compiling.pop(req_id)
         self._forget(ids)
         return [self._error(req_id, message) for req_id, message in errors.items()]
 
     def _forget(self, req_ids: list[str]) -> None:
         if self.matchers:
             self.matchers.remove(req_ids)
-        self._fcfs_batch.difference_update(req_ids)
+        self.fcfs_batch_ids.difference_update(req_ids)
         for req_id in req_ids:
             self._awaiting_first.pop(req_id, None)
         if self._taken:
@@ -309,7 +350,7 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Requests not yet finished: in the scheduler, waiting for their compile, or ended
         with an output the next step sends (an abort's, a failed compile's)."""
-        return self.scheduler.has_unfinished_requests() or bool(self._compiling or self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self.compiling or self._pending)
 
     def has_pending_outputs(self) -> bool:
         """Abort acknowledgements and errors waiting for the next step's message."""
@@ -322,13 +363,17 @@ class EngineCore:
         input instead of stepping (step() would wait for them)."""
         if self.scheduler.has_unfinished_requests() or self._pending:
             return True
-        return self._compiling.any_ended(time.monotonic())
+        return self.compiling.any_ended(time.monotonic())
 
     def step(self, now: float | None = None) -> EngineCoreOutputs:
-        if self._compiling:
+        """Run one step to its end and say what its requests gained (and what ended since
+        the last step: aborts, errors). With the overlap, the step after it is planned
+        while it runs and started as soon as it returns: the forward of that one runs
+        while this returns, and the next call waits for it."""
+        if self.compiling:
             if not self.scheduler.has_unfinished_requests() and not self._pending:
                 # Nothing else to do: wait for the first compile to end (or time out).
-                self._compiling.wait_first()
+                self.compiling.wait_first()
             self._admit_compiled(time.monotonic())
         if self._taken:
             started = time.monotonic()
@@ -336,37 +381,22 @@ class EngineCore:
                 self._awaiting_first[req_id] = (started, label)
             self._taken = []
         now = time.monotonic() if now is None else now
-        if self.config.scheduling_policy == "priority":
-            budgets = PriorityBudgets.from_config(
-                self.scheduler, self.step_model, self.config, self.step_model.profiled
-            )
-            scheduler_output = budgets.schedule(now)
-            if budgets.last_batch_budget is not None:
-                self.last_batch_token_budget = budgets.last_batch_budget
-        else:
-            scheduler_output = self.scheduler.schedule(now)
-        features = step_features(scheduler_output)
-        if scheduler_output.is_empty:
-            self.last_prediction = None
-        else:
-            self.last_prediction = self.step_model.predict(features)
-        # The constrained rows' masks fill in a thread beside the forward pass.
-        masks = self.matchers.start_fill(scheduler_output) if self.matchers else None
-        began = time.perf_counter()
-        if masks is None:
-            runner_output = self.runner.execute(scheduler_output)
-        else:
-            assert isinstance(self.runner, ModelRunner)  # the only runner that takes them
-            try:
-                runner_output = self.runner.execute(scheduler_output, masks)
-            finally:
-                masks.wait()  # never leave the fill running past the step
-        if not scheduler_output.is_empty:
-            self.step_model.observe(features, time.perf_counter() - began)
+        current = self._in_flight
+        if current is None:
+            planned = self._plan(now)
+            if planned[0].is_empty:
+                self._unsent_finished |= planned[0].finished_req_ids
+                return self._outputs(self._pending)
+            current = self._launch(planned, None, {})
+        # Planned while `current` runs: its sampling rows' next tokens are placeholders.
+        ahead = self._plan(now) if self.forwards.overlap else None
+        runner_output, seconds = current.wait()
+        self._in_flight = None
+        so = current.so
         completed: set[str] = set()
-        if masks is not None:
+        if current.masks is not None:
             completed, rejected = self.matchers.advance(
-                runner_output.sampled_token_ids, masks.req_ids
+                runner_output.sampled_token_ids, current.masks.req_ids
             )
             if rejected:  # no token for them: they end with the error below
                 sampled = runner_output.sampled_token_ids
@@ -375,19 +405,71 @@ class EngineCore:
                     sampled_token_ids={k: v for k, v in sampled.items() if k not in rejected},
                     failed={**runner_output.failed, **rejected},
                 )
-        outputs = self._pending + self.scheduler.update(scheduler_output, runner_output, completed)
+        if ahead is not None:
+            if ahead[0].is_empty:
+                self._unsent_finished |= ahead[0].finished_req_ids
+            else:  # a request that ends with `current` costs it a row, its token dropped
+                ended = completed.union(runner_output.failed)
+                self._in_flight = self._launch(ahead, ended, runner_output.sampled_token_ids)
+                self.num_steps_planned_ahead += 1
+        # What follows runs beside that forward.
+        self.step_model.observe(current.features, seconds)
+        outputs = self._pending + self.scheduler.update(so, runner_output, completed)
         if self.matchers:
             self.matchers.remove([o.req_id for o in outputs if o.finished])
         failed = runner_output.failed
         if failed:  # gained no token this step (update passed them over): ended here
-            outputs += self.fail_requests(failed)
-        if self._fcfs_batch:
-            self._fcfs_batch.difference_update(o.req_id for o in outputs if o.finished)
+            live = {r.req_id for r in so.requests if r.req_id in failed and not r.status.finished}
+            outputs += self.fail_requests({k: v for k, v in failed.items() if k in live})
+        return self._outputs(outputs)
+
+    def _plan(self, now: float) -> tuple[SchedulerOutput, StepFeatures]:
+        """The next step's plan (committed: it runs) and its features; sets its predicted
+        runner time (None for an empty step)."""
+        if self.config.scheduling_policy == "priority":
+            budgets = PriorityBudgets.from_config(
+                self.scheduler, self.step_model, self.config, self.step_model.profiled
+            )
+            so = budgets.schedule(now)
+            if budgets.last_batch_budget is not None:
+                self.last_batch_token_budget = budgets.last_batch_budget
+        else:
+            so = self.scheduler.schedule(now)
+        features = step_features(so)
+        self.last_prediction = None if so.is_empty else self.step_model.predict(features)
+        return so, features
+
+    def _launch(
+        self,
+        planned: tuple[SchedulerOutput, StepFeatures],
+        ended: set[str] | None,
+        sampled: dict[str, int],
+    ) -> Launched:
+        """Start `so`'s forward. Planned ahead of the step that gave `sampled`: its
+        placeholders are filled from it, and the rows of requests that ended there
+        (`ended`: a complete grammar, a failure) get no mask."""
+        so, features = planned
+        if self._unsent_finished:  # ended in steps that ran no forward: the runner forgets them
+            so = replace(so, finished_req_ids=so.finished_req_ids | self._unsent_finished)
+            self._unsent_finished = frozenset()
+        if ended is not None:
+            fill_placeholders(so, sampled)
+        # The constrained rows' masks fill in a thread beside the forward pass.
+        masks = self.matchers.start_fill(so, ended or ()) if self.matchers else None
+        return self.forwards.launch(so, masks, features)
+
+    def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        if self.fcfs_batch_ids:
+            self.fcfs_batch_ids.difference_update(o.req_id for o in outputs if o.finished)
         self._pending = []
         self.last_step_time = time.monotonic()
         if self._awaiting_first:
             self._record_first_tokens(outputs, self.last_step_time)
         return EngineCoreOutputs(outputs, timestamp=time.time(), stats=self.stats())
+
+    def close(self) -> None:
+        """Wait for a forward still running, and stop its thread."""
+        self.forwards.close()
 
     def _record_first_tokens(self, outputs: list[EngineCoreOutput], now: float) -> None:
         awaiting = self._awaiting_first
@@ -395,83 +477,8 @@ class EngineCore:
             if output.new_token_ids or output.finished:
                 taken = awaiting.pop(output.req_id, None)
                 if taken is not None and output.new_token_ids:
-                    self._ttft_sum_s[taken[1]] += now - taken[0]
-                    self._ttft_count[taken[1]] += 1
+                    self.ttft_sum_s[taken[1]] += now - taken[0]
+                    self.ttft_count[taken[1]] += 1
 
     def stats(self) -> SchedulerStats:
-        errors = self.step_model.prediction_error_quantiles((0.5, 0.99))
-        scheduler = self.scheduler
-        batch_ids = self._fcfs_batch
-
-        def interactive(request: Request) -> bool:
-            if batch_ids:
-                return request.req_id not in batch_ids
-            return request.is_interactive
-
-        if self._fcfs_batch:  # one scheduling class: count by the class each came as
-            batch = self._fcfs_batch
-            num_running_interactive = sum(r.req_id not in batch for r in scheduler.running)
-            num_waiting_interactive = sum(r.req_id not in batch for r in scheduler.waiting)
-        else:
-            num_running_interactive = sum(r.is_interactive for r in scheduler.running)
-            num_waiting_interactive = sum(
-                scheduler.waiting.num_waiting(p)
-                for p in scheduler.waiting.priorities
-                if p <= PRIORITY_INTERACTIVE
-            )
-        # Requests waiting for their constraint's compile count as waiting.
-        num_waiting = len(scheduler.waiting) + len(self._compiling)
-        num_waiting_interactive += sum(interactive(r) for r in self._compiling.requests())
-
-        prefill_left: list[int] = []
-        decoding = {"interactive": 0, "batch": 0}
-        decode_kv = {"interactive": 0, "batch": 0}
-        for request in scheduler.running:
-            left = request.num_tokens - request.num_computed_tokens
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                if interactive(request) and len(prefill_left) < _PREFILL_LEFT_MAX:
-                    prefill_left.append(left)
-            else:
-                cls = "interactive" if interactive(request) else "batch"
-                decoding[cls] += 1
-                decode_kv[cls] += request.num_computed_tokens
-        for request in scheduler.waiting:
-            if len(prefill_left) >= _PREFILL_LEFT_MAX:
-                break
-            if interactive(request):
-                prefill_left.append(request.num_tokens - request.num_computed_tokens)
-        preempted = scheduler.num_preemptions_by_priority
-        num_preempted_interactive = sum(
-            n for p, n in preempted.items() if p <= PRIORITY_INTERACTIVE
-        )
-        return SchedulerStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=num_waiting,
-            num_kv_blocks_used=self.kv.pool.num_used_blocks,
-            num_kv_blocks_total=self.kv.pool.num_blocks,
-            num_prefix_query_tokens=self.kv.num_prefix_queries,
-            num_prefix_hit_tokens=self.kv.num_prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.scheduler.num_steps,
-            step_time_error_p50=None if errors is None else errors[0],
-            step_time_error_p99=None if errors is None else errors[1],
-            step_time_coefficients=self.step_model.coefficients,
-            step_time_profile=self.step_model.profile_coefficients,
-            num_running_by_class=_by_class(num_running_interactive, len(scheduler.running)),
-            num_waiting_by_class=_by_class(num_waiting_interactive, num_waiting),
-            num_preemptions_by_class=_by_class(num_preempted_interactive, sum(preempted.values())),
-            num_kv_blocks_reserved_interactive=scheduler.reserve_blocks,
-            batch_token_budget=self.last_batch_token_budget,
-            ttft_sum_s_by_class=dict(self._ttft_sum_s),
-            ttft_count_by_class=dict(self._ttft_count),
-            interactive_prefill_left=prefill_left,
-            num_decoding_by_class=decoding,
-            decode_kv_tokens_by_class=decode_kv,
-        )
-
-
-_PREFILL_LEFT_MAX = 64  # SchedulerStats.interactive_prefill_left's length at most
-
-
-def _by_class(num_interactive: int, num_all: int) -> dict[str, int]:
-    return {"interactive": num_interactive, "batch": num_all - num_interactive}
+        return engine_stats(self)

@@ -16,8 +16,10 @@ one slice and need no scatter.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -102,11 +104,16 @@ class AttentionMetadata:
                 query_lens.append(num_query)
             offset += num_query
         num_decodes = offset - sum(p.num_query for p in prefills)
-        max_blocks = max((len(t) for t in tables), default=0)
-        # One tensor from padded lists: a tensor per row costs ~20 us a row here.
-        table = torch.tensor(
-            [ids + [0] * (max_blocks - len(ids)) for ids in tables], dtype=torch.long
-        ).reshape(len(tables), max_blocks)
+        num_blocks_of = np.fromiter(map(len, tables), np.int64, len(tables))
+        max_blocks = int(num_blocks_of.max(initial=0))
+        # The rows' ids laid into a zeroed table in one assignment (row-major, as a mask
+        # of each row's first len(ids) columns orders them): a tensor per row costs ~20 us
+        # a row here, a tensor of padded lists ~1 us a row.
+        table_np = np.zeros((len(tables), max_blocks), np.int64)
+        table_np[np.arange(max_blocks) < num_blocks_of[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), np.int64, int(num_blocks_of.sum())
+        )
+        table = torch.from_numpy(table_np)
         key_pos = torch.arange(max_blocks * block_size)
         context_lens = torch.tensor(lens, dtype=torch.long)
         decode_lens = context_lens[:num_decodes, None]

@@ -40,6 +40,14 @@ class FixedTokenRunner:
         self.prefill_s_per_token = prefill_s_per_token
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.run(self.prepare(so))
+
+    def prepare(self, so: SchedulerOutput) -> SchedulerOutput:
+        """Nothing to put on a device: the step is its own input."""
+        return so
+
+    def run(self, so: SchedulerOutput, masks: object = None) -> ModelRunnerOutput:
+        """The step held as set; `masks` never come (no constraint reaches this runner)."""
         if so.scheduled and (self.step_s or self.prefill_s_per_token):
             prefill = sum(max(0, s.num_tokens - 1) for s in so.scheduled)
             time.sleep(self.step_s + self.prefill_s_per_token * prefill)

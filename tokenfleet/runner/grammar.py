@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,11 +298,16 @@ class Matchers:
             if self._matchers.pop(req_id, None) is not None:
                 self._stops.pop(req_id, None)
 
-    def start_fill(self, so: SchedulerOutput) -> TokenMasks | None:
+    def start_fill(self, so: SchedulerOutput, skip: Collection[str] = ()) -> TokenMasks | None:
         """Starts filling the masks of this step's constrained rows that sample (None when
-        there are none); TokenMasks.apply waits for them."""
+        there are none), but those of `skip` (requests that ended in the step before,
+        planned ahead of it: their rows' tokens are dropped); TokenMasks.apply waits."""
         matchers = self._matchers
-        req_ids = [s.req_id for s in so.scheduled if s.sample and s.req_id in matchers]
+        req_ids = [
+            s.req_id
+            for s in so.scheduled
+            if s.sample and s.req_id in matchers and s.req_id not in skip
+        ]
         if not req_ids:
             return None
         rows = [matchers[r] for r in req_ids]
@@ -354,9 +359,9 @@ class Matchers:
         rejected: dict[str, str] = {}
         for req_id in req_ids:
             token = sampled.get(req_id)
-            if token is None or token in self._stops.get(req_id, ()):
+            matcher = self._matchers.get(req_id)  # none: aborted while its step ran
+            if token is None or matcher is None or token in self._stops.get(req_id, ()):
                 continue
-            matcher = self._matchers[req_id]
             if not matcher.consume_token(token):
                 rejected[req_id] = (
                     f"the sampled token {token} does not fit its constraint: "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,20 @@ from tokenfleet.runner.grammar import TokenMasks
 from tokenfleet.runner.sampler import compute_logprobs, logprobs_rows, sample_rows
 
 logger = logging.getLogger(__name__)
+
+
+class StepInputs(NamedTuple):
+    """A step's inputs as ModelRunner.prepare made them (tensors None for an empty step)."""
+
+    so: SchedulerOutput
+    batch: list[ScheduledRequest]  # decodes first
+    input_ids: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    meta: AttentionMetadata | None
+    logits_rows: torch.Tensor | None
+    scored: list[tuple[ScheduledRequest, int, list[int]]]
+    num_sampling: int
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -125,14 +140,17 @@ class ModelRunner:
             self._generators[req_id] = gen
         return gen
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput, masks: TokenMasks | None = None) -> ModelRunnerOutput:
         """Runs the step. `masks`: the token masks of its constrained rows that sample,
         being filled while the forward pass runs; applied once it is done."""
-        for req_id in so.finished_req_ids:
-            self._generators.pop(req_id, None)
+        return self.run(self.prepare(so), masks)
+
+    @torch.inference_mode()
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        """The step's inputs on the device: the host's part of a launch, done by the
+        engine's loop before it hands the step to the forward thread (the overlap)."""
         if so.is_empty:
-            return ModelRunnerOutput({})
+            return StepInputs(so, [], None, None, None, None, None, [], 0)
         # Decodes first: attention then treats them as one slice of the batch.
         batch = sorted(so.scheduled, key=lambda s: s.num_tokens > 1)
         input_ids: list[int] = []
@@ -158,13 +176,33 @@ class ModelRunner:
             self.config.sliding_window,
         )
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        logits = self.model(
+        return StepInputs(
+            so,
+            batch,
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             self.cos[pos],
             self.sin[pos],
-            self.kv_caches,
             meta,
             torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            scored,
+            num_sampling,
+        )
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs, masks: TokenMasks | None = None) -> ModelRunnerOutput:
+        """The forward pass of prepared inputs, then the sampling."""
+        for req_id in inputs.so.finished_req_ids:
+            self._generators.pop(req_id, None)
+        if inputs.input_ids is None:
+            return ModelRunnerOutput({})
+        batch, scored, num_sampling = inputs.batch, inputs.scored, inputs.num_sampling
+        logits = self.model(
+            inputs.input_ids,
+            inputs.cos,
+            inputs.sin,
+            self.kv_caches,
+            inputs.meta,
+            inputs.logits_rows,
         )
         failed: dict[str, str] = {}
         prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], scored, failed)

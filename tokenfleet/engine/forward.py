@@ -1,0 +1,111 @@
+"""The forward passes of an engine's steps, each run inline or on a thread of its own.
+
+With the overlap (EngineConfig.overlap, the default) a step's forward runs on the
+"engine-forward" thread while the engine plans the next step (the forward leaves the GIL
+to the host in its kernels, as launches on an accelerator do). The next step is planned
+before this one's tokens are known: its decode rows of requests that sample in this one
+hold a PLACEHOLDER token (core/request.py), filled in here at launch from this step's
+result. Off, the forward runs inline, after its plan, as it always did.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from tokenfleet.core.request import PLACEHOLDER
+from tokenfleet.core.runner_output import ModelRunnerOutput
+from tokenfleet.core.scheduler_output import SchedulerOutput
+from tokenfleet.policy.step_model import StepFeatures
+from tokenfleet.runner.grammar import TokenMasks
+
+
+class Runner(Protocol):
+    """ModelRunner and FixedTokenRunner: a step's inputs made on the host (`prepare`),
+    then its forward pass and sampling (`run`, which the fixed runner's stand-ins for a
+    model do without masks)."""
+
+    def prepare(self, so: SchedulerOutput) -> Any: ...
+
+    def run(self, inputs: Any, masks: TokenMasks | None = None) -> ModelRunnerOutput: ...
+
+
+class Launched:
+    """A step whose forward was started: its plan, its masks, the step-time model's
+    features of it, and the forward's (output, seconds) once it is done."""
+
+    def __init__(
+        self,
+        so: SchedulerOutput,
+        masks: TokenMasks | None,
+        features: StepFeatures,
+        result: Future[tuple[ModelRunnerOutput, float]],
+    ) -> None:
+        self.so = so
+        self.masks = masks
+        self.features = features
+        self._result = result
+
+    def wait(self) -> tuple[ModelRunnerOutput, float]:
+        return self._result.result()
+
+
+class Forwards:
+    """Starts steps' forward passes on `runner`: on one thread beside the engine's loop
+    (`overlap`), or inline."""
+
+    def __init__(self, runner: Runner, *, overlap: bool) -> None:
+        self.runner = runner
+        self.overlap = overlap
+        self._thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="engine-forward") if overlap else None
+        )
+        self._started = threading.Event()
+
+    def launch(
+        self, so: SchedulerOutput, masks: TokenMasks | None, features: StepFeatures
+    ) -> Launched:
+        """Make the step's inputs here, then run its forward: on the thread, which this
+        waits to see start (it would otherwise wait for the GIL while the engine's loop
+        plans, up to the interpreter's switch interval at a time), or inline."""
+        inputs = self.runner.prepare(so)
+        if self._thread is None:
+            result: Future[tuple[ModelRunnerOutput, float]] = Future()
+            result.set_result(self._run(inputs, masks))
+        else:
+            self._started.clear()
+            result = self._thread.submit(self._run, inputs, masks)
+            self._started.wait()
+        return Launched(so, masks, features, result)
+
+    def _run(self, inputs: Any, masks: TokenMasks | None) -> tuple[ModelRunnerOutput, float]:
+        self._started.set()
+        began = time.perf_counter()
+        try:
+            output = self.runner.run(inputs) if masks is None else self.runner.run(inputs, masks)
+        finally:
+            if masks is not None:
+                masks.wait()  # never leave the fill running past the step
+        return output, time.perf_counter() - began
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def fill_placeholders(so: SchedulerOutput, sampled: Mapping[str, int]) -> None:
+    """The rows planned ahead of the step that gave `sampled`: each PLACEHOLDER input (a
+    decode's one token; a penalized or seeded row's last output too) becomes the token its
+    request sampled there. A request that got none (it failed there, and ends) feeds 0:
+    its row's token is dropped."""
+    for row in so.scheduled:
+        tokens = row.token_ids
+        if tokens[-1] == PLACEHOLDER:
+            token = sampled.get(row.req_id, 0)
+            tokens[-1] = token
+            outputs = row.output_token_ids
+            if outputs and outputs[-1] == PLACEHOLDER:
+                outputs[-1] = token
