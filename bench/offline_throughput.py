@@ -38,6 +38,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,10 +53,9 @@ from tokenfleet import LLM, SamplingParams, envs
 from tokenfleet.checkpoint.bundled import prepare_bundled_model
 from tokenfleet.config import CacheConfig
 from tokenfleet.core.engine_api import EngineCoreRequest
-from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.models.config import ModelConfig
-from tokenfleet.runner.model_runner import ModelRunner
+from tokenfleet.runner.model_runner import ModelRunner, StepInputs
 
 # SmolLM2's special tokens are ids 0..16; random prompts use only ordinary tokens.
 FIRST_ORDINARY_TOKEN_ID = 17
@@ -240,23 +240,32 @@ class TransformersResult:
 
 
 class StepRecorder:
-    """Wraps a ModelRunner's execute so the benchmark sees each step's SchedulerOutput."""
+    """Wraps a ModelRunner's prepare so the benchmark sees each step's SchedulerOutput, in
+    launch order. With the overlap a step() call launches the next step before it returns
+    the current one: `take` gives the oldest launched step whose forward has ended."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self._runner = runner
-        self._execute = runner.execute
-        self.last: SchedulerOutput | None = None
+        self._prepare = runner.prepare
+        self._launched: deque[SchedulerOutput] = deque()
 
-    def __call__(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.last = scheduler_output
-        return self._execute(scheduler_output)
+    def __call__(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        self._launched.append(scheduler_output)
+        return self._prepare(scheduler_output)
+
+    def take(self, in_flight: bool) -> SchedulerOutput | None:
+        """After a step() call: the step it ran (None if it ran none); `in_flight`: a step
+        launched by that call still runs."""
+        if len(self._launched) > int(in_flight):
+            return self._launched.popleft()
+        return None
 
     def __enter__(self) -> StepRecorder:
-        self._runner.execute = self  # type: ignore[method-assign]
+        self._runner.prepare = self  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self._runner.execute  # the class's method shows through again
+        del self._runner.prepare  # the class's method shows through again
 
 
 def kv_cache_budget(config: ModelConfig, max_num_seqs: int, max_seq_len: int) -> int:
@@ -281,6 +290,7 @@ def run_tokenfleet(
     max_seq_len: int,
     flop_model: FlopModel,
     matmul_gflops: float,
+    overlap: bool | None = None,
 ) -> TokenfleetResult:
     """Continuous batching, driving EngineCore step by step to record each step."""
     config = ModelConfig.from_folder(folder)
@@ -291,6 +301,7 @@ def run_tokenfleet(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         kv_cache_memory=kv_cache_budget(config, max_num_seqs, max_seq_len),
+        overlap=overlap,
     )
     load_s = time.perf_counter() - start
 
@@ -314,7 +325,6 @@ def run_tokenfleet(
                 EngineCoreRequest(str(i), r.prompt_token_ids, params, time.monotonic())
             )
         while engine.has_unfinished_requests():
-            recorder.last = None
             step_start = time.perf_counter() - t0
             out = engine.step()
             step_end = time.perf_counter() - t0
@@ -324,7 +334,8 @@ def run_tokenfleet(
                 new_tokens += len(o.new_token_ids)
                 if o.finished:
                     finish_reasons[o.req_id] = o.finish_reason
-            scheduled = recorder.last.scheduled if recorder.last else []
+            ran = recorder.take(engine.step_in_flight)
+            scheduled = ran.scheduled if ran else []
             assert out.stats is not None
             steps.append(
                 StepRecord(
@@ -578,6 +589,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--max-output-len", type=int, default=256, help="output lengths: highest")
     add("--matmul-size", type=int, default=2048, help="side of the matrices of the matmul")
     add("--skip-transformers", action="store_true", help="run tokenfleet only")
+    add(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="tokenfleet's overlap (the next step planned during the forward; auto: off "
+        "when the torch threads take every core)",
+    )
     add("--out", type=Path, default=Path("bench/results"), help="folder for JSON and PNG")
     args = parser.parse_args(argv)
     for low, high in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
@@ -629,6 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_seq_len=args.max_prompt_len + args.max_output_len,
         flop_model=flop_model,
         matmul_gflops=matmul.gflops,
+        overlap={"auto": None, "on": True, "off": False}[args.overlap],
     )
     hf = (
         None

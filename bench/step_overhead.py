@@ -17,7 +17,7 @@ taking turns, so that a slow spell of the machine falls on all alike.
 The stand-in (StandInRunner) is a ModelRunner with no model: EngineCore treats it as the
 real one, so constraints compile (the real GrammarCompiler on the model's tokenizer.json),
 the masks fill beside the forward on the mask thread, and the start-up profile runs. Before
-its hold it builds the forward's inputs as ModelRunner.execute does (token ids,
+its hold it builds the forward's inputs with ModelRunner's own host_inputs (token ids,
 positions, AttentionMetadata over the block tables: the host's share of a launch); during
 it, it applies the constrained rows' masks to stand-in logits and takes their argmax (so
 those rows pick tokens their grammar allows); the other rows get one fixed token. It is
@@ -87,10 +87,9 @@ from tokenfleet.core.sampling_params import Constraint, SamplingParams
 from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.process import decode_requests, encode_step
-from tokenfleet.models.attention import AttentionMetadata
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.runner.grammar import TokenMasks
-from tokenfleet.runner.model_runner import ModelRunner
+from tokenfleet.runner.model_runner import ModelRunner, host_inputs
 
 RESULT_NAME = "step_overhead"
 GOAL_RUNNING = 256
@@ -246,7 +245,7 @@ class StandInRunner(ModelRunner):
         """The inputs as ModelRunner.prepare makes them (on the engine's loop)."""
         if not so.is_empty:
             with CLOCK.part("inputs"):
-                self._inputs(so)
+                host_inputs(so, self.block_size, self.device, self.config.sliding_window)
         return so
 
     def run(  # type: ignore[override]
@@ -282,27 +281,6 @@ class StandInRunner(ModelRunner):
             }
         )
         return ModelRunnerOutput(sampled)
-
-    def _inputs(self, so: SchedulerOutput) -> None:
-        """What ModelRunner.execute builds on the host before the forward."""
-        batch = sorted(so.scheduled, key=lambda s: s.num_tokens > 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        for s in batch:
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
-            if s.sample:
-                logits_rows.append(len(input_ids) - 1)
-        AttentionMetadata.build(
-            [(s.start_pos, s.num_tokens, s.block_ids) for s in batch],
-            self.block_size,
-            self.device,
-            self.config.sliding_window,
-        )
-        torch.tensor(positions, dtype=torch.long)
-        torch.tensor(input_ids, dtype=torch.long)
-        torch.tensor(logits_rows, dtype=torch.long)
 
     def _constrained_picks(self, masks: TokenMasks | None) -> dict[str, int]:
         """Each constrained row's token: the argmax of stand-in logits under its mask."""
@@ -532,7 +510,7 @@ def build(args: argparse.Namespace, way: Way, running: int) -> Bench:
 
 
 def summarize(bench: Bench, num_warmup: int) -> dict[str, Any]:
-    steps = bench.steps[num_warmup:]
+    steps = [s for s in bench.steps[num_warmup:] if not s["first_of_segment"]]
     rows = [max(1, s["rows"]) for s in steps]
     cpu = [sum(s["parts_s"].values()) for s in steps]
     all_threads = [s["process_cpu_s"] - s["forward_cpu_s"] for s in steps]
@@ -603,13 +581,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             benches = [build(args, way, running) for way in args.engine]
             for bench in benches:
                 for _ in range(args.warmup_steps):
-                    bench.steps.append(bench.step())
+                    bench.steps.append(bench.step() | {"first_of_segment": False})
             per_round = -(-args.steps // args.rounds)
             for r in range(args.rounds):
                 order = benches[r % len(benches) :] + benches[: r % len(benches)]
                 for bench in order:
-                    for _ in range(per_round):
-                        bench.steps.append(bench.step())
+                    for i in range(per_round):
+                        # A segment's first two steps: a gap before them holds the other
+                        # engines' segment (with the overlap, the second's forward was
+                        # launched after it, the first's before it): left out.
+                        bench.steps.append(bench.step() | {"first_of_segment": i < 2})
             for bench in benches:
                 summary = summarize(bench, args.warmup_steps)
                 results.append(summary)
@@ -762,7 +743,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--num-threads", type=int, default=1)
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
-    args.engine = args.engine or [Way("overlap", {}), Way("no-overlap", {"overlap": False})]
+    args.engine = args.engine or [
+        Way("overlap", {"overlap": True}),
+        Way("no-overlap", {"overlap": False}),
+    ]
     return args
 
 

@@ -163,7 +163,7 @@ def test_an_abort_while_a_step_runs_ends_the_request_there_and_spares_the_others
     ends: dict[str, list[str]] = {r.req_id: [] for r in requests}
     for step in itertools.count():
         if step == 4:
-            assert core._in_flight is not None  # its row runs now
+            assert core.step_in_flight  # its row runs now
             core.abort([victim])
         if not core.has_unfinished_requests():
             break
@@ -187,7 +187,7 @@ def test_a_request_id_reused_while_its_old_row_runs_gets_none_of_its_tokens(
     params = SamplingParams(max_tokens=5, temperature=0)
     core.add_request(_request([5, 6, 7], params, "same"))
     first = core.step().outputs
-    assert [len(o.new_token_ids) for o in first] == [1] and core._in_flight is not None
+    assert [len(o.new_token_ids) for o in first] == [1] and core.step_in_flight
     core.abort(["same"])
     core.add_request(_request([8, 9], params, "same"))
     tokens, ends = [], []
@@ -218,9 +218,9 @@ def test_a_request_ending_by_length_costs_the_step_ahead_no_row(model_folder: Pa
     assert [s.tokens for s in streams] == [[token]] * 3
     # The step planned ahead holds their three rows; the next call waits for it and sends
     # none of its tokens.
-    assert core._in_flight is not None and not core.has_step_work()
+    assert core.step_in_flight and not core.has_step_work()
     assert core.step().outputs == []
-    assert core.scheduler.num_rows_dropped == 3 and core._in_flight is None
+    assert core.scheduler.num_rows_dropped == 3 and not core.step_in_flight
 
 
 def test_the_overlap_left_unset_is_on_but_where_torch_takes_every_core() -> None:

@@ -416,10 +416,13 @@ def _request(req_id: str, prompt: list[int], max_tokens: int, priority: int) -> 
 def _engine_config(
     model_folder: Path, max_num_batched_tokens: int, **settings: Any
 ) -> EngineConfig:
-    """The fixed runner at TARGET and MARGIN, 16 sequences a step."""
+    """The fixed runner at TARGET and MARGIN, 16 sequences a step; steps one after
+    another (no overlap: each test reads the plan of the step it just ran, and the
+    overlap's exactness is tests/engine/test_overlap.py's)."""
     return EngineConfig(
         model=str(model_folder),
         runner="fixed",
+        overlap=False,
         scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16),
         tpot_target_s=TARGET,
         harvest_margin=MARGIN,
@@ -567,13 +570,13 @@ def test_fixed_runner_engine_times_each_first_token_from_the_step_after_taking_t
         monotonic=lambda: now[0], perf_counter=time.perf_counter, time=time.time
     )
     monkeypatch.setattr(tokenfleet.engine.core, "time", clock)
-    execute = engine.runner.execute
+    run = engine.runner.run
 
     def one_second(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         now[0] += 1.0
-        return execute(scheduler_output)
+        return run(scheduler_output)
 
-    monkeypatch.setattr(engine.runner, "execute", one_second)
+    monkeypatch.setattr(engine.runner, "run", one_second)
     engine.add_request(_request("i0", [5] * 8, 3, PRIORITY_INTERACTIVE))
     engine.add_request(_request("b0", [6] * 100, 3, PRIORITY_BATCH))
     engine.add_request(_request("b1", [7] * 100, 3, PRIORITY_BATCH))

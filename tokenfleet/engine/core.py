@@ -352,6 +352,11 @@ class EngineCore:
         with an output the next step sends (an abort's, a failed compile's)."""
         return self.scheduler.has_unfinished_requests() or bool(self.compiling or self._pending)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a step launched ahead (the overlap) still runs or waits to be taken."""
+        return self._in_flight is not None
+
     def has_pending_outputs(self) -> bool:
         """Abort acknowledgements and errors waiting for the next step's message."""
         return bool(self._pending)
@@ -454,9 +459,11 @@ class EngineCore:
             self._unsent_finished = frozenset()
         if ended is not None:
             fill_placeholders(so, sampled)
-        # The constrained rows' masks fill in a thread beside the forward pass.
-        masks = self.matchers.start_fill(so, ended or ()) if self.matchers else None
-        return self.forwards.launch(so, masks, features)
+        # The constrained rows' masks fill in a thread beside the forward pass, started
+        # once the inputs are made (the fill would slow their making, not the forward).
+        skip = ended or ()
+        fill = (lambda: self.matchers.start_fill(so, skip)) if self.matchers else None
+        return self.forwards.launch(so, fill, features)
 
     def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self.fcfs_batch_ids:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -66,12 +66,17 @@ class Forwards:
         self._started = threading.Event()
 
     def launch(
-        self, so: SchedulerOutput, masks: TokenMasks | None, features: StepFeatures
+        self,
+        so: SchedulerOutput,
+        fill: Callable[[], TokenMasks | None] | None,
+        features: StepFeatures,
     ) -> Launched:
-        """Make the step's inputs here, then run its forward: on the thread, which this
-        waits to see start (it would otherwise wait for the GIL while the engine's loop
-        plans, up to the interpreter's switch interval at a time), or inline."""
+        """Make the step's inputs here, start its masks' fill (`fill`, for constrained
+        rows), then run its forward: on the thread, which this waits to see start (it
+        would otherwise wait for the GIL while the engine's loop plans, up to the
+        interpreter's switch interval at a time), or inline."""
         inputs = self.runner.prepare(so)
+        masks = None if fill is None else fill()
         if self._thread is None:
             result: Future[tuple[ModelRunnerOutput, float]] = Future()
             result.set_result(self._run(inputs, masks))

@@ -70,40 +70,52 @@ class AttentionMetadata:
         device: torch.device,
         sliding_window: int | None = None,
     ) -> AttentionMetadata:
-        """From (start_pos, num_query, block_ids) per sequence, in batch order, decodes first."""
-        slots: list[int] = []
-        tables: list[list[int]] = []  # the kernel's sequences, decodes first
-        lens: list[int] = []
-        starts: list[int] = []
-        query_lens: list[int] = []
+        """From (start_pos, num_query, block_ids) per sequence, in batch order, decodes first.
+
+        The decodes (most of a busy step's rows) are laid out with numpy, not row by row:
+        their block tables in one assignment, their slots from the table."""
+        num_decodes = 0
+        for _, num_query, _ in seqs:
+            if num_query != 1:
+                break
+            num_decodes += 1
+        decodes = seqs[:num_decodes]
+        starts_np = np.fromiter((start for start, _, _ in decodes), np.int64, num_decodes)
+        tables: list[list[int]] = [block_ids for _, _, block_ids in decodes]
+        needed = starts_np // block_size + 1
+        if not np.array_equal(np.fromiter(map(len, tables), np.int64, num_decodes), needed):
+            tables = [ids[:k] for ids, k in zip(tables, needed.tolist(), strict=True)]
+        # The prefills (a prompt or a chunk of one each), row by row.
+        prefill_slots: list[np.ndarray] = []
+        lens = (starts_np + 1).tolist()
+        query_starts = list(range(num_decodes))
+        query_lens = [1] * num_decodes
         prefills: list[PrefillSeq] = []
-        offset = 0
-        for start, num_query, block_ids in seqs:
-            for pos in range(start, start + num_query):
-                slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
+        offset = num_decodes
+        for start, num_query, block_ids in seqs[num_decodes:]:
+            assert num_query > 1, "decodes must come before prefills in the batch"
             context_len = start + num_query
             num_blocks = -(context_len // -block_size)
+            pos = np.arange(start, context_len)
+            ids = np.array(block_ids[:num_blocks], np.int64)
+            prefill_slots.append(ids[pos // block_size] * block_size + pos % block_size)
             in_kernel = num_query <= KERNEL_MAX_QUERY
-            if num_query == 1:
-                assert not prefills, "decodes must come before prefills in the batch"
-            else:
-                prefills.append(
-                    PrefillSeq(
-                        token_start=offset,
-                        num_query=num_query,
-                        context_len=context_len,
-                        block_ids=torch.tensor(block_ids[:num_blocks], device=device),
-                        mask=_prefill_mask(start, num_query, sliding_window, device),
-                        in_kernel=in_kernel,
-                    )
+            prefills.append(
+                PrefillSeq(
+                    token_start=offset,
+                    num_query=num_query,
+                    context_len=context_len,
+                    block_ids=torch.from_numpy(ids).to(device),
+                    mask=_prefill_mask(start, num_query, sliding_window, device),
+                    in_kernel=in_kernel,
                 )
+            )
             if in_kernel:
                 tables.append(block_ids[:num_blocks])
                 lens.append(context_len)
-                starts.append(offset)
+                query_starts.append(offset)
                 query_lens.append(num_query)
             offset += num_query
-        num_decodes = offset - sum(p.num_query for p in prefills)
         num_blocks_of = np.fromiter(map(len, tables), np.int64, len(tables))
         max_blocks = int(num_blocks_of.max(initial=0))
         # The rows' ids laid into a zeroed table in one assignment (row-major, as a mask
@@ -113,9 +125,14 @@ class AttentionMetadata:
         table_np[np.arange(max_blocks) < num_blocks_of[:, None]] = np.fromiter(
             itertools.chain.from_iterable(tables), np.int64, int(num_blocks_of.sum())
         )
+        decode_slots = (
+            table_np[np.arange(num_decodes), starts_np // block_size] * block_size
+            + starts_np % block_size
+        )
+        slots = np.concatenate([decode_slots, *prefill_slots])
         table = torch.from_numpy(table_np)
         key_pos = torch.arange(max_blocks * block_size)
-        context_lens = torch.tensor(lens, dtype=torch.long)
+        context_lens = torch.from_numpy(np.array(lens, np.int64))
         decode_lens = context_lens[:num_decodes, None]
         mask = key_pos[None, :] < decode_lens
         if sliding_window is not None:
@@ -123,7 +140,7 @@ class AttentionMetadata:
         table = table.to(device)
         context_lens = context_lens.to(device)
         return cls(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            slot_mapping=torch.from_numpy(slots).to(device),
             num_decodes=num_decodes,
             decode_block_tables=table[:num_decodes],
             decode_context_lens=context_lens[:num_decodes],
@@ -131,9 +148,14 @@ class AttentionMetadata:
             prefills=prefills,
             kernel_block_tables=table,
             kernel_context_lens=context_lens,
-            kernel_query_starts=torch.tensor(starts, dtype=torch.long, device=device),
-            kernel_query_lens=torch.tensor(query_lens, dtype=torch.long, device=device),
+            kernel_query_starts=long_tensor(query_starts, device),
+            kernel_query_lens=long_tensor(query_lens, device),
         )
+
+
+def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of Python ints: through numpy, ~5x faster than torch.tensor here."""
+    return torch.from_numpy(np.array(values, np.int64)).to(device)
 
 
 def _prefill_mask(

@@ -22,7 +22,7 @@ from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from tokenfleet.kernels import paged_attention_lib
-from tokenfleet.models.attention import AttentionMetadata
+from tokenfleet.models.attention import AttentionMetadata, long_tensor
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.loader import DTYPES, load_model
 from tokenfleet.models.rope import rope_cos_sin
@@ -44,6 +44,64 @@ class StepInputs(NamedTuple):
     logits_rows: torch.Tensor | None
     scored: list[tuple[ScheduledRequest, int, list[int]]]
     num_sampling: int
+
+
+class HostInputs(NamedTuple):
+    """A step's inputs as the host lays them out (host_inputs)."""
+
+    batch: list[ScheduledRequest]  # decodes first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # the sampling rows, then the scored prompt rows
+    scored: list[tuple[ScheduledRequest, int, list[int]]]
+    num_sampling: int
+
+
+def host_inputs(
+    so: SchedulerOutput, block_size: int, device: torch.device, sliding_window: int | None
+) -> HostInputs:
+    """The token ids, positions, attention metadata and logits rows of a step, decodes
+    first (attention treats them as one slice of the batch). A busy step is mostly
+    decodes: theirs are gathered by list comprehensions, the rest row by row."""
+    decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
+    rest = (
+        [s for s in so.scheduled if len(s.token_ids) > 1]
+        if len(decodes) < len(so.scheduled)
+        else []
+    )
+    batch = decodes + rest
+    input_ids = [s.token_ids[0] for s in decodes]
+    positions = [s.start_pos for s in decodes]
+    logits_rows = [i for i, s in enumerate(decodes) if s.sample]
+    # Rows whose logits score the prompt's next token (prompt_logprobs): after the
+    # sampling rows in the logits, as (request, first row, targets).
+    scored = [(s, i, list(s.prompt_targets)) for i, s in enumerate(decodes) if s.prompt_targets]
+    for s in rest:
+        if s.prompt_targets:
+            scored.append((s, len(input_ids), list(s.prompt_targets)))
+        input_ids.extend(s.token_ids)
+        positions.extend(range(s.start_pos, s.start_pos + len(s.token_ids)))
+        if s.sample:
+            logits_rows.append(len(input_ids) - 1)
+    num_sampling = len(logits_rows)
+    for _, row, targets in scored:
+        logits_rows.extend(range(row, row + len(targets)))
+    meta = AttentionMetadata.build(
+        [(s.start_pos, len(s.token_ids), s.block_ids) for s in batch],
+        block_size,
+        device,
+        sliding_window,
+    )
+    return HostInputs(
+        batch,
+        long_tensor(input_ids, device),
+        long_tensor(positions, device),
+        meta,
+        long_tensor(logits_rows, device),
+        scored,
+        num_sampling,
+    )
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -151,41 +209,17 @@ class ModelRunner:
         engine's loop before it hands the step to the forward thread (the overlap)."""
         if so.is_empty:
             return StepInputs(so, [], None, None, None, None, None, [], 0)
-        # Decodes first: attention then treats them as one slice of the batch.
-        batch = sorted(so.scheduled, key=lambda s: s.num_tokens > 1)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        # Rows whose logits score the prompt's next token (prompt_logprobs): after the
-        # sampling rows in the logits, as (request, first row, targets).
-        scored: list[tuple[ScheduledRequest, int, list[int]]] = []
-        for s in batch:
-            if s.prompt_targets:
-                scored.append((s, len(input_ids), list(s.prompt_targets)))
-            input_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
-            if s.sample:
-                logits_rows.append(len(input_ids) - 1)
-        num_sampling = len(logits_rows)
-        for _, row, targets in scored:
-            logits_rows.extend(range(row, row + len(targets)))
-        meta = AttentionMetadata.build(
-            [(s.start_pos, s.num_tokens, s.block_ids) for s in batch],
-            self.block_size,
-            self.device,
-            self.config.sliding_window,
-        )
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        host = host_inputs(so, self.block_size, self.device, self.config.sliding_window)
         return StepInputs(
             so,
-            batch,
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            self.cos[pos],
-            self.sin[pos],
-            meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-            scored,
-            num_sampling,
+            host.batch,
+            host.input_ids,
+            self.cos[host.positions],
+            self.sin[host.positions],
+            host.meta,
+            host.logits_rows,
+            host.scored,
+            host.num_sampling,
         )
 
     @torch.inference_mode()
