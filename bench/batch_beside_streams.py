@@ -74,6 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(
         num_threads=args.num_threads,
+        overlap=False,  # steps one after another: each step's prediction and time its own
         max_model_len=args.max_model_len,
         max_num_seqs=64,
         max_num_batched_tokens=512,

@@ -45,7 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    llm = LLM(num_threads=args.num_threads, max_model_len=2048, max_num_seqs=64)
+    # Steps one after another (no overlap): each step's time is its own.
+    llm = LLM(num_threads=args.num_threads, max_model_len=2048, max_num_seqs=64, overlap=False)
     core = llm.engine
     model = core.runner.model
     rows = []

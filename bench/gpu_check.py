@@ -116,6 +116,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--copy-mib", type=int, help="the measured copy's size (4096; CPU 256; --tiny 64)")
     add("--time-limit-s", type=float, default=420, help="no new batch size after this")
     add("--num-threads", type=int, default=None)
+    add(
+        "--overlap",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the engine's overlap (auto: on for CUDA): the step after the current one "
+        "planned during its forward",
+    )
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     if args.context is None:
@@ -259,13 +266,17 @@ class ForwardTimer:
         self._calls.append((time.perf_counter() - began, event, self.dev.event()))
 
     def take(self) -> tuple[float, float] | None:
-        """(host seconds, span seconds) of the step's forward, None if it ran none. Called
-        after the step, whose sampled tokens synchronised the device."""
-        calls, self._calls = self._calls, []
-        if not calls:
+        """(host seconds, span seconds) of the oldest forward not taken yet, None if there
+        is none: called after each step, whose sampled tokens synchronised the device.
+        Oldest, not latest: with the engine's overlap the next step's forward may end
+        before this is called."""
+        if not self._calls:
             return None
-        host_s, start, end = calls[-1]
+        host_s, start, end = self._calls.pop(0)
         return host_s, (start.elapsed_time(end) / 1e3 if self.dev.cuda else host_s)
+
+    def clear(self) -> None:
+        self._calls = []
 
 
 def kernel_time(run: Callable[[], Any], host_s: float, repeats: int) -> dict[str, Any]:
@@ -349,9 +360,9 @@ def decode_row(
 
 def end_requests(core: EngineCore, timer: ForwardTimer, ids: list[str]) -> None:
     core.abort(ids)
-    while core.has_unfinished_requests():  # the aborts' outputs
+    while core.has_unfinished_requests() or core.step_in_flight:  # the aborts' outputs
         core.step()
-    timer.take()
+    timer.clear()
 
 
 def time_decodes(
@@ -370,6 +381,8 @@ def time_decodes(
     prefill_steps, decode_steps = 0, 0
     began = time.perf_counter()
     while len(steps) < args.steps and core.has_unfinished_requests():
+        # One token to go each, with or without the overlap (there, the step this call
+        # returns is already planned, and the one planned now decodes the token it gives).
         decoding = not len(scheduler.waiting) and len(scheduler.running) == n
         decoding = decoding and all(
             r.num_tokens - r.num_computed_tokens == 1 for r in scheduler.running
@@ -544,6 +557,7 @@ def build_engine(args: argparse.Namespace, shape: dict[str, Any], fits: list[int
             max_model_len=max_len,
         ),
         scheduling_policy=args.scheduling_policy,
+        overlap={"auto": None, "on": True, "off": False}[args.overlap],
     )
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as folder:
         (Path(folder) / "config.json").write_text(json.dumps(shape))

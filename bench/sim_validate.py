@@ -170,6 +170,7 @@ def main() -> int:
     engine = EngineCore(
         EngineConfig(
             runner=args.runner,
+            overlap=False,  # as the simulator steps: planned after the previous step
             max_model_len=args.max_model_len,
             scheduler=SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=32),
             cache=CacheConfig(kv_cache_memory=64 * 2**20),

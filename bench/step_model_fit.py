@@ -304,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model=str(folder),
         num_threads=args.threads,
         cache=CacheConfig(kv_cache_memory=args.kv_cache_mib << 20),
+        overlap=False,  # steps one after another: each step's prediction and time its own
     )
     # The engine's start-up profile, run by hand to time it apart from the model load.
     engine = EngineCore(config, step_model_config=StepModelConfig(profile=False))

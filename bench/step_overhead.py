@@ -35,16 +35,16 @@ its own alone), grouped as the issue names them:
               stats(), encoding the step's message (encode_step)
   other       the rest of the step's loop (EngineCore.step's own glue)
 The forward's window (the hold, and the masks applied in it) is left out; "all threads"
-adds the other threads' CPU (the mask fill's above all). Idle share: 1 - (sum of holds) /
-(sum of step walls, arrivals to message encoded); a hold is the forward's time (a mask
-fill that outlasts it is the host's). "Exposed": the gap between a hold's end and the next
-one's start, what the accelerator waits for the host: with the overlap (the next step
-planned during the forward) it is well below the engine's CPU time. The goals' "outside
-the overlap" is the exposed time per running request.
+adds the other threads' CPU (the mask fill's above all). "Exposed": the gap between a
+hold's end and the next one's start, what the accelerator waits for the host: with the
+overlap (the next step planned during the forward) it is well below the engine's CPU time.
+Idle share: (sum of gaps) / (sum of holds and gaps); a hold is the forward's time (a mask
+fill that outlasts it is the host's). The goals' "outside the overlap" is the exposed time
+per running request.
 
 `--engine NAME[:FIELD=VALUE,...]` (repeat) runs the same workload on engines built with
-those EngineConfig fields (values as JSON, else text), side by side; by default one,
-"overlap" (the default engine) and "no-overlap" (overlap=false), side by side.
+those EngineConfig fields (values as JSON, else text), side by side; by default two,
+"overlap" (overlap=true) and "no-overlap" (overlap=false).
 
 Goals (issue 32), at 256 running with a 20 ms forward: the accelerator idle under 5% of
 the wall time; under 5 us of engine CPU per running request per step outside the overlap.

@@ -386,7 +386,10 @@ def build_core(args: argparse.Namespace) -> EngineCore:
         block_size=BLOCK_SIZE,
         kv_cache_memory=kv_bytes * BLOCK_SIZE * 2 * args.rows * blocks_per_row,
     )
-    config = EngineConfig(model=str(folder), num_threads=args.num_threads, cache=cache)
+    # Steps one after another (no overlap): each step's time is its own.
+    config = EngineConfig(
+        model=str(folder), num_threads=args.num_threads, cache=cache, overlap=False
+    )
     return EngineCore(config, step_model_config=StepModelConfig(profile=False))
 
 

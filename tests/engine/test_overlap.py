@@ -178,7 +178,7 @@ def test_an_abort_while_a_step_runs_ends_the_request_there_and_spares_the_others
 
 
 @pytest.mark.fake("the fixed runner")
-def test_a_request_id_reused_while_its_old_row_runs_gets_none_of_its_tokens(
+def test_a_request_id_reused_while_its_old_row_runs_gets_none_of_its_tokens_fixed_runner(
     model_folder: Path,
 ) -> None:
     """An id aborted and added again between steps, while the step planned ahead holds the
@@ -201,7 +201,9 @@ def test_a_request_id_reused_while_its_old_row_runs_gets_none_of_its_tokens(
 
 
 @pytest.mark.fake("the fixed runner")
-def test_a_request_ending_by_length_costs_the_step_ahead_no_row(model_folder: Path) -> None:
+def test_a_request_ending_by_length_costs_the_step_ahead_no_row_fixed_runner(
+    model_folder: Path,
+) -> None:
     """max_tokens is known ahead: a request whose last token is in flight is not planned
     again. One ending by a stop token costs exactly the one row the overlap allows."""
     core = _fixed_core(model_folder)
