@@ -66,7 +66,7 @@ import sys
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,7 +89,12 @@ from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.process import decode_requests, encode_step
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.runner.grammar import TokenMasks
-from tokenfleet.runner.model_runner import ModelRunner, host_inputs
+from tokenfleet.runner.model_runner import (
+    HostInputs,
+    ModelRunner,
+    fill_input_placeholders,
+    host_inputs,
+)
 
 RESULT_NAME = "step_overhead"
 GOAL_RUNNING = 256
@@ -241,16 +246,27 @@ class StandInRunner(ModelRunner):
         self.done: list[dict[str, float]] = []
         self._last_end: float | None = None
 
-    def prepare(self, so: SchedulerOutput) -> SchedulerOutput:  # type: ignore[override]
+    def prepare(  # type: ignore[override]
+        self, so: SchedulerOutput
+    ) -> tuple[SchedulerOutput, HostInputs | None]:
         """The inputs as ModelRunner.prepare makes them (on the engine's loop)."""
-        if not so.is_empty:
+        if so.is_empty:
+            return so, None
+        with CLOCK.part("inputs"):
+            return so, host_inputs(so, self.block_size, self.device, self.config.sliding_window)
+
+    @staticmethod
+    def fill_placeholders(  # type: ignore[override]
+        inputs: tuple[SchedulerOutput, HostInputs | None], sampled: Mapping[str, int]
+    ) -> None:
+        if inputs[1] is not None:
             with CLOCK.part("inputs"):
-                host_inputs(so, self.block_size, self.device, self.config.sliding_window)
-        return so
+                fill_input_placeholders(inputs[1], sampled)
 
     def run(  # type: ignore[override]
-        self, so: SchedulerOutput, masks: TokenMasks | None = None
+        self, inputs: tuple[SchedulerOutput, HostInputs | None], masks: TokenMasks | None = None
     ) -> ModelRunnerOutput:
+        so = inputs[0]
         if so.is_empty:
             return ModelRunnerOutput({})
         with CLOCK.part(FORWARD):

@@ -20,11 +20,19 @@ from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.scheduler_output import SchedulerOutput
-from tokenfleet.engine.forward import fill_placeholders
 
 pytestmark = pytest.mark.fake("runner")
 
 BLOCK_SIZE = 4
+
+
+def fill_placeholders(so: SchedulerOutput, sampled: dict[str, int]) -> None:
+    """What the engine's runner does at launch (ModelRunner.fill_placeholders), on the
+    rows themselves: each PLACEHOLDER input (a decode's one token) becomes the token its
+    request sampled in the step before; 0 for one that got none (its row is dropped)."""
+    for row in so.scheduled:
+        if row.token_ids[-1] == PLACEHOLDER:
+            row.token_ids[-1] = sampled.get(row.req_id, 0)
 
 
 def _drive(

@@ -38,6 +38,7 @@ import logging
 import os
 import time
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 import torch
@@ -56,7 +57,7 @@ from tokenfleet.core.kv_cache import KVCacheManager
 from tokenfleet.core.request import PRIORITY_INTERACTIVE, Request
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.scheduler_output import SchedulerOutput
-from tokenfleet.engine.forward import Forwards, Launched, fill_placeholders
+from tokenfleet.engine.forward import Forwards, Launched
 from tokenfleet.engine.stats import engine_stats
 from tokenfleet.engine.step_profile import profile_step_time
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
@@ -392,9 +393,16 @@ class EngineCore:
             if planned[0].is_empty:
                 self._unsent_finished |= planned[0].finished_req_ids
                 return self._outputs(self._pending)
-            current = self._launch(planned, None, {})
-        # Planned while `current` runs: its sampling rows' next tokens are placeholders.
+            current = self._launch(self._prepare(planned), None, {})
+        # Planned, and its inputs made, while `current` runs: its decode rows' tokens are
+        # placeholders until `current` gives them.
         ahead = self._plan(now) if self.forwards.overlap else None
+        ready = None
+        if ahead is not None:
+            if ahead[0].is_empty:
+                self._unsent_finished |= ahead[0].finished_req_ids
+            else:
+                ready = self._prepare(ahead)
         runner_output, seconds = current.wait()
         self._in_flight = None
         so = current.so
@@ -410,13 +418,10 @@ class EngineCore:
                     sampled_token_ids={k: v for k, v in sampled.items() if k not in rejected},
                     failed={**runner_output.failed, **rejected},
                 )
-        if ahead is not None:
-            if ahead[0].is_empty:
-                self._unsent_finished |= ahead[0].finished_req_ids
-            else:  # a request that ends with `current` costs it a row, its token dropped
-                ended = completed.union(runner_output.failed)
-                self._in_flight = self._launch(ahead, ended, runner_output.sampled_token_ids)
-                self.num_steps_planned_ahead += 1
+        if ready is not None:  # a request that ends with `current` costs it a row, dropped
+            ended = completed.union(runner_output.failed)
+            self._in_flight = self._launch(ready, ended, runner_output.sampled_token_ids)
+            self.num_steps_planned_ahead += 1
         # What follows runs beside that forward.
         self.step_model.observe(current.features, seconds)
         outputs = self._pending + self.scheduler.update(so, runner_output, completed)
@@ -444,26 +449,32 @@ class EngineCore:
         self.last_prediction = None if so.is_empty else self.step_model.predict(features)
         return so, features
 
-    def _launch(
-        self,
-        planned: tuple[SchedulerOutput, StepFeatures],
-        ended: set[str] | None,
-        sampled: dict[str, int],
-    ) -> Launched:
-        """Start `so`'s forward. Planned ahead of the step that gave `sampled`: its
-        placeholders are filled from it, and the rows of requests that ended there
-        (`ended`: a complete grammar, a failure) get no mask."""
+    def _prepare(
+        self, planned: tuple[SchedulerOutput, StepFeatures]
+    ) -> tuple[SchedulerOutput, StepFeatures, Any]:
+        """A planned step with its inputs made (the runner's prepare)."""
         so, features = planned
         if self._unsent_finished:  # ended in steps that ran no forward: the runner forgets them
             so = replace(so, finished_req_ids=so.finished_req_ids | self._unsent_finished)
             self._unsent_finished = frozenset()
+        return so, features, self.forwards.prepare(so)
+
+    def _launch(
+        self,
+        ready: tuple[SchedulerOutput, StepFeatures, Any],
+        ended: set[str] | None,
+        sampled: dict[str, int],
+    ) -> Launched:
+        """Start a prepared step's forward. Planned ahead of the step that gave `sampled`
+        (`ended` given): its placeholders are filled from it, and the rows of requests
+        that ended there (a complete grammar, a failure) get no mask."""
+        so, features, inputs = ready
         if ended is not None:
-            fill_placeholders(so, sampled)
-        # The constrained rows' masks fill in a thread beside the forward pass, started
-        # once the inputs are made (the fill would slow their making, not the forward).
+            self.runner.fill_placeholders(inputs, sampled)
+        # The constrained rows' masks fill in a thread beside the forward pass.
         skip = ended or ()
         fill = (lambda: self.matchers.start_fill(so, skip)) if self.matchers else None
-        return self.forwards.launch(so, fill, features)
+        return self.forwards.launch(so, inputs, fill, features)
 
     def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self.fcfs_batch_ids:

@@ -3,9 +3,10 @@
 With the overlap (EngineConfig.overlap, the default) a step's forward runs on the
 "engine-forward" thread while the engine plans the next step (the forward leaves the GIL
 to the host in its kernels, as launches on an accelerator do). The next step is planned
-before this one's tokens are known: its decode rows of requests that sample in this one
-hold a PLACEHOLDER token (core/request.py), filled in here at launch from this step's
-result. Off, the forward runs inline, after its plan, as it always did.
+before this one's tokens are known, and its inputs are made then too: its decode rows of
+requests that sample in this one hold a PLACEHOLDER token (core/request.py), which the
+runner fills in at launch from this step's result (Runner.fill_placeholders). Off, the
+forward runs inline, after its plan, as it always did.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-from tokenfleet.core.request import PLACEHOLDER
 from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.policy.step_model import StepFeatures
@@ -29,6 +29,8 @@ class Runner(Protocol):
     model do without masks)."""
 
     def prepare(self, so: SchedulerOutput) -> Any: ...
+
+    def fill_placeholders(self, inputs: Any, sampled: Mapping[str, int]) -> None: ...
 
     def run(self, inputs: Any, masks: TokenMasks | None = None) -> ModelRunnerOutput: ...
 
@@ -65,17 +67,22 @@ class Forwards:
         )
         self._started = threading.Event()
 
+    def prepare(self, so: SchedulerOutput) -> Any:
+        """The step's inputs, made on the host: with the overlap, while the step before it
+        runs (its decode rows' tokens left as placeholders, filled at launch)."""
+        return self.runner.prepare(so)
+
     def launch(
         self,
         so: SchedulerOutput,
+        inputs: Any,
         fill: Callable[[], TokenMasks | None] | None,
         features: StepFeatures,
     ) -> Launched:
-        """Make the step's inputs here, start its masks' fill (`fill`, for constrained
-        rows), then run its forward: on the thread, which this waits to see start (it
-        would otherwise wait for the GIL while the engine's loop plans, up to the
+        """Start the step's masks' fill (`fill`, for constrained rows), then run its
+        forward on `inputs`: on the thread, which this waits to see start (it would
+        otherwise wait for the GIL while the engine's loop plans, up to the
         interpreter's switch interval at a time), or inline."""
-        inputs = self.runner.prepare(so)
         masks = None if fill is None else fill()
         if self._thread is None:
             result: Future[tuple[ModelRunnerOutput, float]] = Future()
@@ -99,18 +106,3 @@ class Forwards:
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)
-
-
-def fill_placeholders(so: SchedulerOutput, sampled: Mapping[str, int]) -> None:
-    """The rows planned ahead of the step that gave `sampled`: each PLACEHOLDER input (a
-    decode's one token; a penalized or seeded row's last output too) becomes the token its
-    request sampled there. A request that got none (it failed there, and ends) feeds 0:
-    its row's token is dropped."""
-    for row in so.scheduled:
-        tokens = row.token_ids
-        if tokens[-1] == PLACEHOLDER:
-            token = sampled.get(row.req_id, 0)
-            tokens[-1] = token
-            outputs = row.output_token_ids
-            if outputs and outputs[-1] == PLACEHOLDER:
-                outputs[-1] = token

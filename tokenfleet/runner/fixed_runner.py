@@ -46,6 +46,10 @@ class FixedTokenRunner:
         """Nothing to put on a device: the step is its own input."""
         return so
 
+    @staticmethod
+    def fill_placeholders(so: SchedulerOutput, sampled: object) -> None:
+        """Nothing to fill: the fixed token does not depend on the inputs."""
+
     def run(self, so: SchedulerOutput, masks: object = None) -> ModelRunnerOutput:
         """The step held as set; `masks` never come (no constraint reaches this runner)."""
         if so.scheduled and (self.step_s or self.prefill_s_per_token):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,6 +19,7 @@ import torch
 
 from tokenfleet.config import CacheConfig
 from tokenfleet.core.engine_api import TokenLogprobs
+from tokenfleet.core.request import PLACEHOLDER
 from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.sampling_params import SamplingParams
 from tokenfleet.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -44,6 +46,7 @@ class StepInputs(NamedTuple):
     logits_rows: torch.Tensor | None
     scored: list[tuple[ScheduledRequest, int, list[int]]]
     num_sampling: int
+    host: HostInputs | None
 
 
 class HostInputs(NamedTuple):
@@ -56,6 +59,12 @@ class HostInputs(NamedTuple):
     logits_rows: torch.Tensor  # the sampling rows, then the scored prompt rows
     scored: list[tuple[ScheduledRequest, int, list[int]]]
     num_sampling: int
+    # Decode rows planned ahead of the step still running: the input_ids rows that hold a
+    # PLACEHOLDER and their requests; rows whose output lists end with one (penalties, a
+    # seeded draw). Filled by fill_input_placeholders once that step's tokens are known.
+    placeholder_rows: torch.Tensor | None  # None: no placeholder
+    placeholder_req_ids: list[str]
+    placeholder_outputs: list[ScheduledRequest]
 
 
 def host_inputs(
@@ -93,6 +102,8 @@ def host_inputs(
         device,
         sliding_window,
     )
+    # A placeholder is only ever a decode's one token (its request sampled last step).
+    waiting = [i for i, token in enumerate(input_ids[: len(decodes)]) if token == PLACEHOLDER]
     return HostInputs(
         batch,
         long_tensor(input_ids, device),
@@ -101,7 +112,23 @@ def host_inputs(
         long_tensor(logits_rows, device),
         scored,
         num_sampling,
+        long_tensor(waiting, device) if waiting else None,
+        [decodes[i].req_id for i in waiting],
+        [decodes[i] for i in waiting if decodes[i].output_token_ids],
     )
+
+
+def fill_input_placeholders(host: HostInputs, sampled: Mapping[str, int]) -> None:
+    """The placeholders of inputs made ahead: each request's token from the step that
+    sampled it (0 for one that got none: it failed there and ends, its row dropped)."""
+    if host.placeholder_rows is not None:
+        device = host.input_ids.device
+        get = sampled.get
+        tokens = long_tensor([get(req_id, 0) for req_id in host.placeholder_req_ids], device)
+        with torch.inference_mode():  # as the inputs were made (ModelRunner.prepare)
+            host.input_ids.index_put_((host.placeholder_rows,), tokens)
+    for row in host.placeholder_outputs:
+        row.output_token_ids[-1] = sampled.get(row.req_id, 0)  # type: ignore[index]
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -208,7 +235,7 @@ class ModelRunner:
         """The step's inputs on the device: the host's part of a launch, done by the
         engine's loop before it hands the step to the forward thread (the overlap)."""
         if so.is_empty:
-            return StepInputs(so, [], None, None, None, None, None, [], 0)
+            return StepInputs(so, [], None, None, None, None, None, [], 0, None)
         host = host_inputs(so, self.block_size, self.device, self.config.sliding_window)
         return StepInputs(
             so,
@@ -220,7 +247,14 @@ class ModelRunner:
             host.logits_rows,
             host.scored,
             host.num_sampling,
+            host,
         )
+
+    @staticmethod
+    def fill_placeholders(inputs: StepInputs, sampled: Mapping[str, int]) -> None:
+        """Inputs made ahead of the step that sampled `sampled`: its tokens in place."""
+        if inputs.host is not None:
+            fill_input_placeholders(inputs.host, sampled)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs, masks: TokenMasks | None = None) -> ModelRunnerOutput:
