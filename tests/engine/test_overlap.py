@@ -23,6 +23,7 @@ from tokenfleet.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokenfleet.core.engine_api import EngineCoreRequest
 from tokenfleet.core.sampling_params import Constraint
 from tokenfleet.engine.core import EngineCore
+from tokenfleet.engine.forward import overlap_wanted
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.policy.step_model import StepModelConfig
 
@@ -230,7 +231,7 @@ def test_the_overlap_left_unset_is_on_but_where_torch_takes_every_core() -> None
     on while the torch threads leave a core this process may use, else off (the planning
     would take a core from the forward)."""
     cores = len(os.sched_getaffinity(0))
-    decide = EngineCore._overlap
+    decide = overlap_wanted
     assert decide(EngineConfig(runner="fixed", num_threads=cores))
     assert decide(EngineConfig(device="cuda", num_threads=cores))
     assert not decide(EngineConfig(num_threads=cores))

@@ -16,8 +16,6 @@ from tokenfleet import envs
 from tokenfleet.cli.common import env_help, path
 from tokenfleet.config import KV_CACHE_DTYPES, FleetConfig
 
-_OVERLAP = {"auto": None, "on": True, "off": False}  # --overlap -> EngineConfig.overlap
-
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
@@ -68,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
             min_prefill_chunk=args.min_prefill_chunk,
             batch_step_limit_s=args.batch_step_limit,
             scheduling_policy=args.scheduling_policy,
-            overlap=_OVERLAP["off" if args.no_overlap else args.overlap],
+            overlap={"auto": None, "on": True, "off": False}[args.overlap],
         )
         config = ServeConfig(
             host=args.host,
@@ -440,7 +438,7 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         help="plan each engine step while the previous one's forward runs: auto (the "
         "default) is on, except for the model on a CPU whose torch threads take every core",
     )
-    add("--no-overlap", action="store_true", help="the same as --overlap off")
+    add("--no-overlap", dest="overlap", action="store_const", const="off", help="--overlap off")
     add(
         "--runner",
         choices=("model", "fixed"),

@@ -35,7 +35,6 @@ step in flight.)
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -57,7 +56,7 @@ from tokenfleet.core.kv_cache import KVCacheManager
 from tokenfleet.core.request import PRIORITY_INTERACTIVE, Request
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.scheduler_output import SchedulerOutput
-from tokenfleet.engine.forward import Forwards, Launched
+from tokenfleet.engine.forward import Forwards, Launched, overlap_wanted
 from tokenfleet.engine.stats import engine_stats
 from tokenfleet.engine.step_profile import profile_step_time
 from tokenfleet.errors import ContextLengthError, InvalidRequestError
@@ -130,7 +129,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             replace(scheduler_config, max_model_len=self.max_model_len),
             self.kv,
-            plan_ahead=self._overlap(config),
+            plan_ahead=overlap_wanted(config),
         )
         self.eos_token_id = (
             self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
@@ -179,21 +178,10 @@ class EngineCore:
         # The forwards, inline or beside the planning of the next step (the overlap); the
         # step whose forward runs now, planned ahead; the ids of requests ended since the
         # latest forward began, for the next one (the runner forgets them).
-        self.forwards = Forwards(self.runner, overlap=self._overlap(config))
+        self.forwards = Forwards(self.runner, overlap=overlap_wanted(config))
         self._in_flight: Launched | None = None
         self._unsent_finished: frozenset[str] = frozenset()
         self.num_steps_planned_ahead = 0
-
-    @staticmethod
-    def _overlap(config: EngineConfig) -> bool:
-        """EngineConfig.overlap, or when unset: on but for the model on a CPU whose torch
-        threads take every core this process may use."""
-        if config.overlap is not None:
-            return config.overlap
-        if config.runner != "model" or config.device != "cpu":
-            return True
-        threads = config.num_threads or envs.num_threads() or torch.get_num_threads()
-        return threads < len(os.sched_getaffinity(0))
 
     def profile_step_time(self) -> None:
         """Time synthetic steps on the runner (blocks borrowed from the pool and given

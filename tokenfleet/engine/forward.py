@@ -11,16 +11,33 @@ forward runs inline, after its plan, as it always did.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
+import torch
+
+from tokenfleet import envs
+from tokenfleet.config import EngineConfig
 from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.policy.step_model import StepFeatures
 from tokenfleet.runner.grammar import TokenMasks
+
+
+def overlap_wanted(config: EngineConfig) -> bool:
+    """EngineConfig.overlap, or when unset: on but for the model on a CPU whose torch
+    threads take every core this process may use (the planning would take a core from the
+    forward: measured slower, docs/benchmarks.md)."""
+    if config.overlap is not None:
+        return config.overlap
+    if config.runner != "model" or config.device != "cpu":
+        return True
+    threads = config.num_threads or envs.num_threads() or torch.get_num_threads()
+    return threads < len(os.sched_getaffinity(0))
 
 
 class Runner(Protocol):
