@@ -88,6 +88,7 @@ from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.engine.process import decode_requests, encode_step
 from tokenfleet.models.config import ModelConfig
+from tokenfleet.runner.block_tables import BlockTables
 from tokenfleet.runner.grammar import TokenMasks
 from tokenfleet.runner.model_runner import (
     HostInputs,
@@ -235,6 +236,7 @@ class StandInRunner(ModelRunner):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device("cpu")
+        self.block_tables = BlockTables(max_blocks_per_seq=64)
         self.forward_s = forward_s
         self.noise = torch.randn(
             NOISE_ROWS, config.vocab_size, generator=torch.Generator().manual_seed(0)
@@ -250,10 +252,13 @@ class StandInRunner(ModelRunner):
         self, so: SchedulerOutput
     ) -> tuple[SchedulerOutput, HostInputs | None]:
         """The inputs as ModelRunner.prepare makes them (on the engine's loop)."""
-        if so.is_empty:
-            return so, None
         with CLOCK.part("inputs"):
-            return so, host_inputs(so, self.block_size, self.device, self.config.sliding_window)
+            if so.is_empty:
+                self.block_tables.update(so)  # the requests it says ended
+                return so, None
+            return so, host_inputs(
+                so, self.block_tables, self.block_size, self.device, self.config.sliding_window
+            )
 
     @staticmethod
     def fill_placeholders(  # type: ignore[override]

@@ -165,7 +165,12 @@ def check_schedule(
         request = sched.requests[s.req_id]
         assert s.start_pos + s.num_tokens == request.num_computed_tokens
         assert s.token_ids == request.all_token_ids[s.start_pos : request.num_computed_tokens]
-        assert s.block_ids == sched.kv.get_block_ids(s.req_id)
+        # Only what changed: the blocks taken since its previous step, all of them when it
+        # is new to the runner (the FakeModelRunner reads its tables kept from these).
+        held = sched.kv.get_block_ids(s.req_id)
+        assert s.new_block_ids == (
+            held if s.new_table else held[len(held) - len(s.new_block_ids) :]
+        )
         assert s.sample == (request.num_computed_tokens == request.num_tokens)
         assert s.sampling_params is request.sampling_params
 
@@ -201,8 +206,15 @@ def sr(
     return (req_id, token_ids, start_pos, block_ids, sample)
 
 
-def plain(out: SchedulerOutput) -> list[tuple[str, list[int], int, list[int], bool]]:
-    return [(s.req_id, s.token_ids, s.start_pos, s.block_ids, s.sample) for s in out.scheduled]
+def plain(
+    out: SchedulerOutput, runner: FakeModelRunner
+) -> list[tuple[str, list[int], int, list[int], bool]]:
+    """The step's rows, each with its whole block table as `runner` keeps it after the step."""
+    tables = runner.block_tables
+    return [
+        (s.req_id, s.token_ids, s.start_pos, tables.block_ids(s.req_id), s.sample)
+        for s in out.scheduled
+    ]
 
 
 def position_token(req_id: str, context: Sequence[int]) -> int:
@@ -221,7 +233,7 @@ def test_fake_runner_exact_scheduler_outputs_two_requests() -> None:
     # Step 1: a's whole prompt (5), then b: block 0 is a prefix hit (cached as a
     # allocated it), so b starts at position 4 and gets the 1 token left in the budget.
     out, outputs = h.step()
-    assert plain(out) == [
+    assert plain(out, h.runner) == [
         sr("a", [1, 2, 3, 4, 5], 0, [0, 1], True),
         sr("b", [11], 4, [0, 2], False),
     ]
@@ -233,7 +245,7 @@ def test_fake_runner_exact_scheduler_outputs_two_requests() -> None:
 
     # Step 2: a decodes (running first), b finishes its prompt.
     out, outputs = h.step()
-    assert plain(out) == [
+    assert plain(out, h.runner) == [
         sr("a", [105], 5, [0, 1], True),
         sr("b", [12, 13], 5, [0, 2], True),
     ]
@@ -244,7 +256,7 @@ def test_fake_runner_exact_scheduler_outputs_two_requests() -> None:
 
     # Step 3: both decode; a reaches max_tokens.
     out, outputs = h.step()
-    assert plain(out) == [
+    assert plain(out, h.runner) == [
         sr("a", [106], 6, [0, 1], True),
         sr("b", [107], 7, [0, 2], True),
     ]
@@ -259,7 +271,7 @@ def test_fake_runner_exact_scheduler_outputs_two_requests() -> None:
     # Step 4: b's 9th token needs a third block: the head of the free queue, block 3.
     out, outputs = h.step()
     assert out.finished_req_ids == frozenset({"a"})
-    assert plain(out) == [sr("b", [108], 8, [0, 2, 3], True)]
+    assert plain(out, h.runner) == [sr("b", [108], 8, [0, 2, 3], True)]
     assert outputs == [EngineCoreOutput("b", [109], finish_reason="length", num_cached_tokens=4)]
 
     # Step 5: nothing to run; b's finish is reported once.
@@ -297,7 +309,8 @@ def test_fake_runner_scheduled_request_fields() -> None:
             req_id="a",
             token_ids=[1, 2, 3],
             start_pos=0,
-            block_ids=[0],
+            new_block_ids=[0],
+            new_table=True,
             sample=True,
             sampling_params=params,
         )
@@ -472,7 +485,7 @@ def test_fake_runner_preempts_newest_and_rehits_its_cached_prefix() -> None:
     h.add("a", [1, 2, 3, 4], max_tokens=2)
     b = h.add("b", [5, 6, 7, 8], max_tokens=2)
     out, _ = h.step()
-    assert plain(out) == [
+    assert plain(out, h.runner) == [
         sr("a", [1, 2, 3, 4], 0, [0, 1], True),
         sr("b", [5, 6, 7, 8], 0, [2, 3], True),
     ]
@@ -482,7 +495,7 @@ def test_fake_runner_preempts_newest_and_rehits_its_cached_prefix() -> None:
     # a's 5th token takes the last free block; b (the newest) needs one too: preempted.
     out, _ = h.step()
     assert out.preempted_req_ids == ("b",)
-    assert plain(out) == [sr("a", [h.tokens["a"][0]], 4, [0, 1, 4], True)]
+    assert plain(out, h.runner) == [sr("a", [h.tokens["a"][0]], 4, [0, 1, 4], True)]
     assert b.status == RequestStatus.PREEMPTED
     assert b.num_computed_tokens == 0
     assert b.num_preemptions == 1
@@ -499,7 +512,7 @@ def test_fake_runner_preempts_newest_and_rehits_its_cached_prefix() -> None:
     out, _ = h.step()
     assert out.finished_req_ids == frozenset({"a"})
     assert out.preempted_req_ids == ()
-    assert plain(out) == [sr("b", [b_first], 4, [2, 3, 4], True)]
+    assert plain(out, h.runner) == [sr("b", [b_first], 4, [2, 3, 4], True)]
     assert h.kv.num_prefix_queries - queries == 5
     assert h.kv.num_prefix_hits - hits == 4
     assert b.num_cached_tokens == 0  # the usage figure is from its first admission
@@ -521,7 +534,7 @@ def test_fake_runner_preemption_victim_is_newest_not_current() -> None:
     c = h.add("c", [5, 6], max_tokens=2)
     h.add("d", [7, 8], max_tokens=2)  # over max_num_seqs: waits
     out, _ = h.step()
-    assert plain(out) == [
+    assert plain(out, h.runner) == [
         sr("a", [1, 2], 0, [0], True),
         sr("b", [3, 4], 0, [1], True),
         sr("c", [5, 6], 0, [2], True),
@@ -531,7 +544,8 @@ def test_fake_runner_preemption_victim_is_newest_not_current() -> None:
     out, _ = h.step()
     assert out.preempted_req_ids == ("c",)
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
-    assert [s.block_ids for s in out.scheduled] == [[0, 3], [1, 2]]
+    assert [h.runner.block_tables.block_ids(s.req_id) for s in out.scheduled] == [[0, 3], [1, 2]]
+    assert [(s.new_block_ids, s.new_table) for s in out.scheduled] == [([3], False), ([2], False)]
     assert [r.req_id for r in h.scheduler.waiting] == ["c", "d"]
     assert c.status == RequestStatus.PREEMPTED
     assert c.num_computed_tokens == 0
@@ -564,13 +578,13 @@ def test_fake_runner_preempted_mid_prefill_resumes_from_cache() -> None:
     # head of the free queue, b's tail block 5 ([16, 17]).
     out, _ = h.step()
     assert out.preempted_req_ids == ("b",)
-    assert plain(out) == [sr("a", [h.tokens["a"][2]], 4, [0, 2, 5], True)]
+    assert plain(out, h.runner) == [sr("a", [h.tokens["a"][2]], 4, [0, 2, 5], True)]
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert h.finish_reasons == {"a": "length"}
     # b resumes: [10, 11], [12, 13], [14, 15] hit; [16, 17] was evicted and is recomputed.
     queries, hits = h.kv.num_prefix_queries, h.kv.num_prefix_hits
     out, _ = h.step()
-    assert plain(out) == [sr("b", [16, 17, 18, 19], 6, [1, 3, 4, 5, 2], True)]
+    assert plain(out, h.runner) == [sr("b", [16, 17, 18, 19], 6, [1, 3, 4, 5, 2], True)]
     assert (h.kv.num_prefix_queries - queries, h.kv.num_prefix_hits - hits) == (10, 6)
     assert h.finish_reasons == {"a": "length", "b": "length"}
     assert h.tokens == {
@@ -607,7 +621,7 @@ def test_fake_runner_abort_mid_prefill() -> None:
     h = make_harness(num_blocks=8, block_size=2, budget=4)
     x = h.add("x", list(range(10)), max_tokens=5)
     out, outputs = h.step()
-    assert plain(out) == [sr("x", [0, 1, 2, 3], 0, [0, 1], False)]
+    assert plain(out, h.runner) == [sr("x", [0, 1, 2, 3], 0, [0, 1], False)]
     assert outputs == []
     assert x.status == RequestStatus.RUNNING
     assert x.num_computed_tokens == 4

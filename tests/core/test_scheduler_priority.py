@@ -358,7 +358,7 @@ def test_fake_runner_waiting_interactive_preempts_newest_batch_when_blocks_run_o
     out = run.step()
     # i needs 3 blocks, 2 are free: b2 (the newest batch request) goes, not b1.
     assert out.preempted_req_ids == ("b2",)
-    assert plain(out) == [
+    assert plain(out, run.runner) == [
         sr("i", [9, 10, 11, 12, 13, 14], 0, [4, 5, 3], True),
         sr("b1", [run.tokens["b1"][0]], 4, [0, 1, 2], True),
     ]
@@ -484,7 +484,7 @@ def test_fake_runner_preempted_batch_resumes_ahead_of_later_batch_and_recomputes
     run.add("i", [20, 21, 22], INTERACTIVE, max_tokens=2)
     out = run.step()
     assert out.preempted_req_ids == ("b1",)
-    assert plain(out) == [sr("i", [20, 21, 22], 0, [4, 5], True)]
+    assert plain(out, run.runner) == [sr("i", [20, 21, 22], 0, [4, 5], True)]
     assert [r.req_id for r in run.scheduler.waiting] == ["b1", "b2"]
     run.step()  # i finishes
     # b1 comes back before b2: with the prefix cache its three full prompt blocks hit,
@@ -492,7 +492,9 @@ def test_fake_runner_preempted_batch_resumes_ahead_of_later_batch_and_recomputes
     out = run.step()
     t1, t2 = run.tokens["b1"][:2]
     start = 8 - num_recomputed
-    assert plain(out) == [sr("b1", [1, 2, 3, 4, 5, 6, t1, t2][start:], start, block_ids, True)]
+    assert plain(out, run.runner) == [
+        sr("b1", [1, 2, 3, 4, 5, 6, t1, t2][start:], start, block_ids, True)
+    ]
     run.run()
     assert scheduled_counts(run)[4:] == [{"b1": num_recomputed}, {"b1": 1}, {"b2": 2}]
     assert run.tokens == {

@@ -348,7 +348,7 @@ def test_stop_token_ids_are_allowed_where_the_grammar_may_end(core: EngineCore) 
     (stop,), (digit,), (letter,) = (core.grammar.tokenizer.tokenize_str(t) for t in ".7a")
     matchers.add("r", template, SamplingParams(stop_token_ids=(stop,)))
     step = SchedulerOutput(
-        [ScheduledRequest("r", [1], 0, [0], True, SamplingParams())], frozenset(), ()
+        [ScheduledRequest("r", [1], 0, [0], True, True, SamplingParams())], frozenset(), ()
     )
 
     def disallowed() -> list[bool]:

@@ -34,7 +34,7 @@ TRUE = np.array([0.04, 2e-3, 3e-3, 5e-6, 6e-7])
 
 
 def _chunk(req_id: str, num_tokens: int, start_pos: int, *, sample: bool) -> ScheduledRequest:
-    return ScheduledRequest(req_id, [7] * num_tokens, start_pos, [], sample, SamplingParams())
+    return ScheduledRequest(req_id, [7] * num_tokens, start_pos, [], True, sample, SamplingParams())
 
 
 def _grid() -> list[StepFeatures]:
@@ -316,11 +316,12 @@ class _FakeRunner:
         return self.now
 
     def execute(self, so: SchedulerOutput) -> None:
-        used = [b for s in so.scheduled for b in s.block_ids]
+        assert all(s.new_table for s in so.scheduled)  # the profile's tables, whole each step
+        used = [b for s in so.scheduled for b in s.new_block_ids]
         assert len(used) == len(set(used)), "a block given to two requests"
         assert all(self.pool.blocks[b].ref_cnt == 1 for b in used)
         for s in so.scheduled:
-            assert len(s.block_ids) == -(-(s.start_pos + s.num_tokens) // self.block_size)
+            assert len(s.new_block_ids) == -(-(s.start_pos + s.num_tokens) // self.block_size)
         self.steps.append(so)
         self.now += float(step_features(so).vector() @ TRUE)
 

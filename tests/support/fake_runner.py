@@ -2,7 +2,8 @@
 
 It keeps a fake paged KV cache (block id -> the token id stored at each slot) and treats it
 the way the real runner treats its K/V tensors: every step first writes each scheduled
-token into the slot that its request's `block_ids` give its position, then, for each
+token into the slot that its request's block table gives its position (the table kept
+from the steps' new block ids, as the real runner keeps it), then, for each
 request with `sample=True`, reads the request's whole context back *from the blocks* and
 samples a token from it.
 
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.scheduler_output import SchedulerOutput
+from tokenfleet.runner.block_tables import BlockTables
 
 # token_fn(req_id, context) -> the next token; context is every token before it.
 TokenFn = Callable[[str, Sequence[int]], int]
@@ -63,6 +65,7 @@ class FakeModelRunner:
         # One dict per step: req_id -> number of tokens scheduled.
         self.num_scheduled_tokens: list[dict[str, int]] = []
         self.sampled: list[dict[str, int]] = []
+        self.block_tables = BlockTables(max_blocks_per_seq=8)
 
     @property
     def num_steps(self) -> int:
@@ -76,22 +79,27 @@ class FakeModelRunner:
         assert not set(req_ids) & scheduler_output.finished_req_ids, (
             "a finished request was scheduled"
         )
+        self.block_tables.update(scheduler_output)
+        tables = {
+            s.req_id: self.block_tables.block_ids(s.req_id) for s in scheduler_output.scheduled
+        }
         # Like the real runner: all K/V of the step are written before any is read.
         for s in scheduler_output.scheduled:
             assert s.num_tokens > 0, f"{s.req_id} scheduled with no tokens"
             end = s.start_pos + s.num_tokens
-            assert len(s.block_ids) * self.block_size >= end, (
-                f"{s.req_id}: {len(s.block_ids)} blocks cannot hold positions up to {end}"
+            block_ids = tables[s.req_id]
+            assert len(block_ids) * self.block_size >= end, (
+                f"{s.req_id}: {len(block_ids)} blocks cannot hold positions up to {end}"
             )
-            assert len(set(s.block_ids)) == len(s.block_ids), f"{s.req_id}: repeated block"
+            assert len(set(block_ids)) == len(block_ids), f"{s.req_id}: repeated block"
             for offset, token in enumerate(s.token_ids):
-                block_id, slot = self._slot(s.block_ids, s.start_pos + offset)
+                block_id, slot = self._slot(block_ids, s.start_pos + offset)
                 self.kv.setdefault(block_id, [None] * self.block_size)[slot] = token
         sampled = {}
         for s in scheduler_output.scheduled:
             if not s.sample:
                 continue
-            context = self.read_context(s.block_ids, s.start_pos + s.num_tokens)
+            context = self.read_context(tables[s.req_id], s.start_pos + s.num_tokens)
             sampled[s.req_id] = self.token_fn(s.req_id, context)
         self.sampled.append(sampled)
         return ModelRunnerOutput(sampled_token_ids=sampled)

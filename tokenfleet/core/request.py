@@ -97,6 +97,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_token_id: int | None = None
         self.num_preemptions = 0
+        # Of the blocks it holds, how many the runner has been sent (SchedulerOutput sends
+        # only the new ones); 0 once they are freed (preempted: sent whole again).
+        self.num_blocks_sent = 0
         # Prompt tokens served from the prefix cache at first admission (for usage stats).
         self.num_cached_tokens: int | None = None
         # Chained hashes of the full blocks of all_token_ids, filled by the KV manager.

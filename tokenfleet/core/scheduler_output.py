@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tokenfleet.core.sampling_params import SamplingParams
 
@@ -11,13 +11,17 @@ if TYPE_CHECKING:
     from tokenfleet.core.request import Request
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step.
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step (a tuple: one is made a running request a step, at a
+    third of a frozen dataclass's cost).
 
     The runner feeds `token_ids` at positions start_pos, start_pos+1, ...; their K/V go to
-    the slots that `block_ids` give those positions. When `sample` is set, this step
-    reaches the request's last token and the runner samples the next one.
+    the slots that the request's block table gives those positions. Only what changed
+    crosses: `new_block_ids` are the blocks it took since its previous step, which the
+    runner appends to the table it keeps (runner/block_tables.py), or, with `new_table`
+    (its first step since it was admitted, or resumed after a preemption), its whole
+    table. When `sample` is set, this step reaches the request's last token and the
+    runner samples the next one.
     `output_token_ids`: the tokens it has generated so far (an earlier attempt's
     included), given only on the chunk that samples and only when its sampling needs them
     (penalties; a seeded draw's position is their count), else empty.
@@ -29,7 +33,8 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]
     start_pos: int
-    block_ids: list[int]
+    new_block_ids: list[int]
+    new_table: bool
     sample: bool
     sampling_params: SamplingParams
     output_token_ids: list[int] | tuple[()] = ()

@@ -180,7 +180,8 @@ def _scheduler_output(step: ProfileStep, block_ids: list[list[int]]) -> Schedule
             req_id=f"step-profile-{j}",
             token_ids=[0] * n,
             start_pos=start,
-            block_ids=ids,
+            new_block_ids=ids,
+            new_table=True,  # each step's tables afresh (the ids recur)
             sample=True,
             sampling_params=_GREEDY,
         )

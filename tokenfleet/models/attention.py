@@ -17,6 +17,7 @@ one slice and need no scatter.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,28 +66,37 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        seqs: list[tuple[int, int, list[int]]],
+        seqs: Sequence[tuple[int, int, Sequence[int]]],
         block_size: int,
         device: torch.device,
         sliding_window: int | None = None,
+        decode_table: np.ndarray | None = None,
     ) -> AttentionMetadata:
         """From (start_pos, num_query, block_ids) per sequence, in batch order, decodes first.
 
         The decodes (most of a busy step's rows) are laid out with numpy, not row by row:
-        their block tables in one assignment, their slots from the table."""
+        their block tables in one assignment, their slots from the table. `decode_table`,
+        when given, holds the decodes' block ids as rows of one array (the runner's
+        BlockTables; past a row's blocks, any valid id), and their `block_ids` are not read.
+        """
         num_decodes = 0
         for _, num_query, _ in seqs:
             if num_query != 1:
                 break
             num_decodes += 1
-        decodes = seqs[:num_decodes]
-        starts_np = np.fromiter((start for start, _, _ in decodes), np.int64, num_decodes)
-        tables: list[list[int]] = [block_ids for _, _, block_ids in decodes]
+        starts_np = np.fromiter(
+            (start for start, _, _ in seqs[:num_decodes]), np.int64, num_decodes
+        )
         needed = starts_np // block_size + 1
-        if not np.array_equal(np.fromiter(map(len, tables), np.int64, num_decodes), needed):
-            tables = [ids[:k] for ids, k in zip(tables, needed.tolist(), strict=True)]
+        if decode_table is None:
+            decode_table = _padded([ids for _, _, ids in seqs[:num_decodes]], needed)
+        # Each decode's blocks up to its position, zeros after (the mask hides them).
+        width = int(needed.max(initial=0))
+        decode_np = decode_table[:num_decodes, :width].copy()
+        decode_np[np.arange(width) >= needed[:, None]] = 0
         # The prefills (a prompt or a chunk of one each), row by row.
         prefill_slots: list[np.ndarray] = []
+        kernel_tables: list[Sequence[int]] = []
         lens = (starts_np + 1).tolist()
         query_starts = list(range(num_decodes))
         query_lens = [1] * num_decodes
@@ -111,23 +121,18 @@ class AttentionMetadata:
                 )
             )
             if in_kernel:
-                tables.append(block_ids[:num_blocks])
+                kernel_tables.append(ids)
                 lens.append(context_len)
                 query_starts.append(offset)
                 query_lens.append(num_query)
             offset += num_query
-        num_blocks_of = np.fromiter(map(len, tables), np.int64, len(tables))
-        max_blocks = int(num_blocks_of.max(initial=0))
-        # The rows' ids laid into a zeroed table in one assignment (row-major, as a mask
-        # of each row's first len(ids) columns orders them): a tensor per row costs ~20 us
-        # a row here, a tensor of padded lists ~1 us a row.
-        table_np = np.zeros((len(tables), max_blocks), np.int64)
-        table_np[np.arange(max_blocks) < num_blocks_of[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), np.int64, int(num_blocks_of.sum())
-        )
-        decode_slots = (
-            table_np[np.arange(num_decodes), starts_np // block_size] * block_size
-            + starts_np % block_size
+        kernel_np = _padded(kernel_tables, np.fromiter(map(len, kernel_tables), np.int64))
+        max_blocks = max(width, kernel_np.shape[1])
+        table_np = np.zeros((num_decodes + len(kernel_tables), max_blocks), np.int64)
+        table_np[:num_decodes, :width] = decode_np
+        table_np[num_decodes:, : kernel_np.shape[1]] = kernel_np
+        decode_slots = decode_np[np.arange(num_decodes), needed - 1] * block_size + (
+            starts_np % block_size
         )
         slots = np.concatenate([decode_slots, *prefill_slots])
         table = torch.from_numpy(table_np)
@@ -151,6 +156,19 @@ class AttentionMetadata:
             kernel_query_starts=long_tensor(query_starts, device),
             kernel_query_lens=long_tensor(query_lens, device),
         )
+
+
+def _padded(tables: Sequence[Sequence[int]], lengths: np.ndarray) -> np.ndarray:
+    """The first `lengths[i]` ids of each table as the rows of a zeroed array, in one
+    assignment (row-major, as a mask of each row's first columns orders them): a tensor per
+    row costs ~20 us a row here, a tensor of padded lists ~1 us a row."""
+    width = int(lengths.max(initial=0))
+    table = np.zeros((len(tables), width), np.int64)
+    firsts = (ids[:n] for ids, n in zip(tables, lengths.tolist(), strict=True))
+    table[np.arange(width) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(firsts), np.int64, int(lengths.sum())
+    )
+    return table
 
 
 def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:

@@ -30,13 +30,14 @@ decodes alone are over the limit, a prompt gets a floor (`min_tokens`) within th
 and where they are over the target, the floor may add the margin's worth of time to their
 step (with_floor); only where the hardware cannot meet the target at all
 (target_reachable) are prompts not cut. Torch-free and pure: the engine, the simulator and
-admission's replay call it.
+admission's replay call it. (Over 400 lines: the one packing rule and the two budgets made
+with it, the batch and the prefill budget, are read together.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from itertools import islice, takewhile
+from itertools import accumulate, islice, takewhile
 from typing import Protocol
 
 from tokenfleet.core.request import Request
@@ -77,15 +78,50 @@ def pack(
 ) -> int:
     """The tokens that `chunks` ((start, most tokens), in serving order) add to `step`
     while its prediction stays within `limit_s`: each chunk takes the most it can, and the
-    next is priced only if it took all it had. At most `max_tokens`."""
+    next is priced only if it took all it had. At most `max_tokens`. A run of decodes (one
+    token to go each: most of a busy step) is priced in one go (_decodes_fit)."""
     total = 0
+    contexts: list[int] = []  # of the decodes since the last longer chunk, not priced yet
     for start, most in chunks:
+        if most == 1:
+            contexts.append(start + 1)
+            continue
+        if contexts:
+            n, step = _decodes_fit(model, step, contexts, limit_s, max_tokens - total)
+            total += n
+            if n < len(contexts) or total >= max_tokens:
+                return total
+            contexts = []
         n = _most_tokens(model, step, start, min(most, max_tokens - total), limit_s)
         total += n
         if n < most or total >= max_tokens:
-            break
+            return total
         step += StepFeatures.of_chunk(n, start)
+    if contexts:
+        total += _decodes_fit(model, step, contexts, limit_s, max_tokens - total)[0]
     return total
+
+
+def _decodes_fit(
+    model: StepCost, step: StepFeatures, contexts: list[int], limit: float, room: int
+) -> tuple[int, StepFeatures]:
+    """How many of a run of decodes (their contexts, in serving order) join `step`, each
+    taken only if the one before it was, within `limit` and at most `room`; and the step
+    with them. What pricing them one by one gives, the prediction growing with each: a
+    binary search over the run's prefix sums, a few predictions for the whole run."""
+    sums = [0, *accumulate(contexts)]
+
+    def with_first(m: int) -> StepFeatures:
+        return step + StepFeatures(decode_seqs=m, kv_tokens_read=sums[m])
+
+    low, high = 0, min(len(contexts), room)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if model.predict(with_first(mid)) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    return low, with_first(low)
 
 
 def _most_tokens(model: StepCost, step: StepFeatures, start: int, most: int, limit: float) -> int:

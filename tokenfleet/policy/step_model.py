@@ -144,10 +144,9 @@ class LinearStepCost:
 
 def step_features(scheduler_output: SchedulerOutput) -> StepFeatures:
     """The features of a scheduled step: the sum of its requests' chunks."""
-    total = StepFeatures()
-    for s in scheduler_output.scheduled:
-        total += StepFeatures.of_chunk(s.num_tokens, s.start_pos)
-    return total
+    return StepFeatures.of_chunks(
+        (len(s.token_ids), s.start_pos) for s in scheduler_output.scheduled
+    )
 
 
 @dataclass(frozen=True, slots=True)

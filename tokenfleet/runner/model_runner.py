@@ -28,6 +28,7 @@ from tokenfleet.models.attention import AttentionMetadata, long_tensor
 from tokenfleet.models.config import ModelConfig
 from tokenfleet.models.loader import DTYPES, load_model
 from tokenfleet.models.rope import rope_cos_sin
+from tokenfleet.runner.block_tables import BlockTables
 from tokenfleet.runner.grammar import TokenMasks
 from tokenfleet.runner.sampler import compute_logprobs, logprobs_rows, sample_rows
 
@@ -68,11 +69,19 @@ class HostInputs(NamedTuple):
 
 
 def host_inputs(
-    so: SchedulerOutput, block_size: int, device: torch.device, sliding_window: int | None
+    so: SchedulerOutput,
+    tables: BlockTables,
+    block_size: int,
+    device: torch.device,
+    sliding_window: int | None,
 ) -> HostInputs:
     """The token ids, positions, attention metadata and logits rows of a step, decodes
-    first (attention treats them as one slice of the batch). A busy step is mostly
-    decodes: theirs are gathered by list comprehensions, the rest row by row."""
+    first (attention treats them as one slice of the batch), its changes to the block
+    tables applied (every step's, in order: they carry only what changed). A busy step is
+    mostly decodes: theirs are gathered by list comprehensions and their block tables
+    from the tables' rows in one gather, the rest row by row."""
+    rows = tables.update(so)
+    decode_rows = [row for row, s in zip(rows, so.scheduled, strict=True) if len(s.token_ids) == 1]
     decodes = [s for s in so.scheduled if len(s.token_ids) == 1]
     rest = (
         [s for s in so.scheduled if len(s.token_ids) > 1]
@@ -96,11 +105,14 @@ def host_inputs(
     num_sampling = len(logits_rows)
     for _, row, targets in scored:
         logits_rows.extend(range(row, row + len(targets)))
+    width = max(positions[: len(decodes)], default=-1) // block_size + 1
     meta = AttentionMetadata.build(
-        [(s.start_pos, len(s.token_ids), s.block_ids) for s in batch],
+        [(s.start_pos, 1, ()) for s in decodes]
+        + [(s.start_pos, len(s.token_ids), tables.row(s.req_id)) for s in rest],
         block_size,
         device,
         sliding_window,
+        decode_table=tables.ids[:, :width][decode_rows],
     )
     # A placeholder is only ever a decode's one token (its request sampled last step).
     waiting = [i for i, token in enumerate(input_ids[: len(decodes)]) if token == PLACEHOLDER]
@@ -198,6 +210,7 @@ class ModelRunner:
             for _ in range(self.config.num_layers)
         ]
         self.cos, self.sin = rope_cos_sin(self.config, max_model_len, self.device, self.dtype)
+        self.block_tables = BlockTables(-(-max_model_len // self.block_size) + 1)
         self._seed_rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
         # The requests of the latest step that failed on their own (their sampling, their
@@ -235,8 +248,11 @@ class ModelRunner:
         """The step's inputs on the device: the host's part of a launch, done by the
         engine's loop before it hands the step to the forward thread (the overlap)."""
         if so.is_empty:
+            self.block_tables.update(so)  # the requests it says ended
             return StepInputs(so, [], None, None, None, None, None, [], 0, None)
-        host = host_inputs(so, self.block_size, self.device, self.config.sliding_window)
+        host = host_inputs(
+            so, self.block_tables, self.block_size, self.device, self.config.sliding_window
+        )
         return StepInputs(
             so,
             host.batch,
