@@ -4,6 +4,7 @@ interactive streams are never predicted over the TPOT target (less the margin)."
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
 import tokenfleet.engine.core
@@ -26,6 +29,7 @@ from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.engine.core import EngineCore
 from tokenfleet.policy.harvest import (
     REACHABLE_TOLERANCE,
+    _most_tokens,
     batch_chunks,
     harvest_budget,
     pack,
@@ -34,6 +38,7 @@ from tokenfleet.policy.harvest import (
 )
 from tokenfleet.policy.step_model import (
     TERMS,
+    LinearStepCost,
     StepFeatures,
     StepModelConfig,
     StepTimeModel,
@@ -133,6 +138,54 @@ def test_batch_decodes_are_packed_exactly() -> None:
     # A batch decode at context 200 costs C + 200 D = 78,336 ticks: 29 fit (2,271,744).
     assert budget(FOUR_DECODES, [(199, 1)] * 40) == 29
     assert budget(FOUR_DECODES, [(199, 1)] * 40, max_tokens=20) == 20
+
+
+def _pack_one_by_one(
+    model: LinearStepCost,
+    step: StepFeatures,
+    chunks: list[tuple[int, int]],
+    limit: float,
+    most: int,
+) -> int:
+    """pack's rule with every chunk priced alone, decodes too (the reference)."""
+    total = 0
+    for start, wanted in chunks:
+        n = _most_tokens(model, step, start, min(wanted, most - total), limit)
+        total += n
+        if n < wanted or total >= most:
+            break
+        step += StepFeatures.of_chunk(n, start)
+    return total
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32))
+def test_pack_prices_runs_of_decodes_in_one_go_as_one_by_one(seed: int) -> None:
+    """Runs of decodes priced by one binary search (_decodes_fit) give what pricing every
+    chunk alone gives, cut where it cuts: ten random steps a seed, mostly decodes, with
+    coefficients in ticks (exact: limits met to the tick) and room for a few dozen. (A
+    decode's context off by one token, or the limit made strict, fails within a run.)"""
+    rng = random.Random(seed)
+    for _ in range(10):
+        ticks = (rng.randint(0, 10**5), rng.randint(0, 2000), rng.randint(0, 5000))
+        model = LinearStepCost(tuple(t * TICK for t in (*ticks, rng.randint(1, 50), 1)))
+        chunks = [
+            (rng.randint(0, 500), rng.choice([1, 1, 1, 1, 1, 1, 2, 17, 300]))
+            for _ in range(rng.randint(0, 40))
+        ]
+        step = StepFeatures(decode_seqs=3, kv_tokens_read=900)
+        limit = model.predict(step) + rng.randint(0, 1_500_000) * TICK
+        most = rng.randint(0, 600)
+        expected = _pack_one_by_one(model, step, chunks, limit, most)
+        assert pack(model, step, chunks, limit, most) == expected, (ticks, chunks, limit, most)
+
+
+def test_a_run_of_decodes_takes_exactly_those_within_the_limit_met_to_the_tick() -> None:
+    three = FOUR_DECODES + StepFeatures(decode_seqs=3, kv_tokens_read=3 * 200)
+    at_three = MODEL.predict(three)
+    assert pack(MODEL, FOUR_DECODES, [(199, 1)] * 5, at_three, 100) == 3
+    assert pack(MODEL, FOUR_DECODES, [(199, 1)] * 5, at_three - TICK, 100) == 2
+    assert pack(MODEL, FOUR_DECODES, [(199, 1)] * 5 + [(0, 9)], at_three * 10, 100) == 14
 
 
 def test_a_prompt_chunk_is_priced_at_its_own_context_once() -> None:
