@@ -367,6 +367,8 @@ def time_parts(core: EngineCore) -> None:
         (scheduler, "update", "update"),
         (core.step_model, "observe", "step model"),
         (matchers, "start_fill", "mask fill start"),
+        (matchers, "fill_later", "mask fill start"),
+        (matchers, "submit", "mask fill start"),
         (matchers, "advance", "matchers advance"),
         (matchers, "remove", "matchers advance"),
         (core, "_admit_compiled", "admit compiled"),

@@ -366,6 +366,52 @@ def test_stop_token_ids_are_allowed_where_the_grammar_may_end(core: EngineCore) 
     matchers.close()
 
 
+def test_masks_launched_before_the_matchers_advance_fill_after_it_without_ended_rows(
+    core: EngineCore,
+) -> None:
+    """The overlap's masks (Matchers.fill_later): made before the step before has been
+    consumed, filled after it (PendingFill.start) from the matchers' new state, rows of
+    requests ended there left out; a failure reaches the forward that waits for them."""
+    assert core.grammar is not None
+    template = core.grammar.compile(Constraint("regex", "[0-9]+")).result()
+    vocab = core.model_config.vocab_size
+    matchers = Matchers(vocab, [EOS])
+    (digit,) = core.grammar.tokenizer.tokenize_str("7")
+    for req_id in ("a", "b"):
+        matchers.add(req_id, template, SamplingParams())
+    step = SchedulerOutput(
+        [
+            ScheduledRequest(r, [1], 0, [0], True, True, SamplingParams())
+            for r in ("a", "b", "free")
+        ],
+        frozenset(),
+        (),
+    )
+    assert matchers.fill_later(step, skip={"a", "b"}) is None  # no constrained row left
+    pending = matchers.fill_later(step, skip={"b"})
+    assert pending is not None
+    assert matchers.advance({"a": digit}, ["a"]) == (set(), {})
+    pending.start(ended=set())
+    assert pending.masks.req_ids == ["a"]
+    masked, failed = pending.masks.apply(torch.zeros(3, vocab), ["a", "b", "free"], [False] * 3)
+    assert failed == {}
+    # After a digit the regex may end: EOS allowed (before the advance it was not).
+    assert masked[0, EOS] == 0 and masked[0, digit] == 0
+    assert bool((masked[1:] == 0).all())  # rows without masks untouched
+    ended = matchers.fill_later(step)
+    assert ended is not None
+    ended.start(ended={"a", "b"})
+    assert ended.masks.req_ids == []
+    logits = torch.ones(3, vocab)
+    assert ended.masks.apply(logits, ["a", "b", "free"], [False] * 3) == (logits, {})
+    failing = matchers.fill_later(step)
+    assert failing is not None
+    failing.fail(RuntimeError("advance failed"))
+    with pytest.raises(RuntimeError, match="advance failed"):
+        failing.masks.wait()
+    matchers.close()
+
+
 def test_a_constraint_is_checked_on_the_wire() -> None:
     """Its kind, a spec where one is needed (valid JSON, an object, for a schema), none for
     json_object, and a size limit: each refused with param "constraint"; decoded from the

@@ -54,6 +54,7 @@ from tokenfleet.core.engine_api import (
 )
 from tokenfleet.core.kv_cache import KVCacheManager
 from tokenfleet.core.request import PRIORITY_INTERACTIVE, Request
+from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.scheduler import Scheduler
 from tokenfleet.core.scheduler_output import SchedulerOutput
 from tokenfleet.engine.forward import Forwards, Launched, overlap_wanted
@@ -75,6 +76,7 @@ from tokenfleet.runner.grammar import (
     ConstraintError,
     GrammarCompiler,
     Matchers,
+    PendingFill,
 )
 from tokenfleet.runner.model_runner import ModelRunner
 
@@ -381,7 +383,7 @@ class EngineCore:
             if planned[0].is_empty:
                 self._unsent_finished |= planned[0].finished_req_ids
                 return self._outputs(self._pending)
-            current = self._launch(self._prepare(planned), None, {})
+            current = self._launch(self._prepare(planned))
         # Planned, and its inputs made, while `current` runs: its decode rows' tokens are
         # placeholders until `current` gives them.
         ahead = self._plan(now) if self.forwards.overlap else None
@@ -394,22 +396,33 @@ class EngineCore:
         runner_output, seconds = current.wait()
         self._in_flight = None
         so = current.so
-        completed: set[str] = set()
-        if current.masks is not None:
-            completed, rejected = self.matchers.advance(
-                runner_output.sampled_token_ids, current.masks.req_ids
-            )
-            if rejected:  # no token for them: they end with the error below
-                sampled = runner_output.sampled_token_ids
-                runner_output = msgspec.structs.replace(
-                    runner_output,
-                    sampled_token_ids={k: v for k, v in sampled.items() if k not in rejected},
-                    failed={**runner_output.failed, **rejected},
-                )
-        if ready is not None:  # a request that ends with `current` costs it a row, dropped
-            ended = completed.union(runner_output.failed)
-            self._in_flight = self._launch(ready, ended, runner_output.sampled_token_ids)
+        # The step planned ahead starts now: a request that ends with `current` costs it a
+        # row, dropped. Its constrained rows' masks fill once the matchers have consumed
+        # `current`'s tokens (below, beside its forward), without the rows of requests
+        # that ended there.
+        pending = None
+        if ready is not None:
+            pending = self._launch_ahead(ready, runner_output)
             self.num_steps_planned_ahead += 1
+        completed: set[str] = set()
+        try:
+            if current.masks is not None:
+                completed, rejected = self.matchers.advance(
+                    runner_output.sampled_token_ids, current.masks.req_ids
+                )
+                if rejected:  # no token for them: they end with the error below
+                    sampled = runner_output.sampled_token_ids
+                    runner_output = msgspec.structs.replace(
+                        runner_output,
+                        sampled_token_ids={k: v for k, v in sampled.items() if k not in rejected},
+                        failed={**runner_output.failed, **rejected},
+                    )
+        except BaseException as exc:
+            if pending is not None:
+                pending.fail(exc)  # the forward waits for its masks: never leave it waiting
+            raise
+        if pending is not None:
+            pending.start(completed.union(runner_output.failed))
         # What follows runs beside that forward.
         self.step_model.observe(current.features, seconds)
         outputs = self._pending + self.scheduler.update(so, runner_output, completed)
@@ -447,22 +460,26 @@ class EngineCore:
             self._unsent_finished = frozenset()
         return so, features, self.forwards.prepare(so)
 
-    def _launch(
-        self,
-        ready: tuple[SchedulerOutput, StepFeatures, Any],
-        ended: set[str] | None,
-        sampled: dict[str, int],
-    ) -> Launched:
-        """Start a prepared step's forward. Planned ahead of the step that gave `sampled`
-        (`ended` given): its placeholders are filled from it, and the rows of requests
-        that ended there (a complete grammar, a failure) get no mask."""
+    def _launch(self, ready: tuple[SchedulerOutput, StepFeatures, Any]) -> Launched:
+        """Start a prepared step's forward, its constrained rows' masks filling in a thread
+        beside it."""
         so, features, inputs = ready
-        if ended is not None:
-            self.runner.fill_placeholders(inputs, sampled)
-        # The constrained rows' masks fill in a thread beside the forward pass.
-        skip = ended or ()
-        fill = (lambda: self.matchers.start_fill(so, skip)) if self.matchers else None
-        return self.forwards.launch(so, inputs, fill, features)
+        masks = self.matchers.start_fill(so) if self.matchers else None
+        return self.forwards.launch(so, inputs, masks, features)
+
+    def _launch_ahead(
+        self, ready: tuple[SchedulerOutput, StepFeatures, Any], done: ModelRunnerOutput
+    ) -> PendingFill | None:
+        """Start the forward of a step planned ahead of the one that gave `done`: its
+        placeholders filled from that step's tokens, its masks (none for rows of requests
+        that failed there) to be filled once the matchers have consumed them: the
+        PendingFill to start then."""
+        so, features, inputs = ready
+        self.runner.fill_placeholders(inputs, done.sampled_token_ids)
+        pending = self.matchers.fill_later(so, done.failed) if self.matchers else None
+        masks = None if pending is None else pending.masks
+        self._in_flight = self.forwards.launch(so, inputs, masks, features)
+        return pending
 
     def _outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
         if self.fcfs_batch_ids:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -93,14 +93,13 @@ class Forwards:
         self,
         so: SchedulerOutput,
         inputs: Any,
-        fill: Callable[[], TokenMasks | None] | None,
+        masks: TokenMasks | None,
         features: StepFeatures,
     ) -> Launched:
-        """Start the step's masks' fill (`fill`, for constrained rows), then run its
-        forward on `inputs`: on the thread, which this waits to see start (it would
+        """Run the step's forward on `inputs` (`masks`: its constrained rows', being
+        filled or to be): on the thread, which this waits to see start (it would
         otherwise wait for the GIL while the engine's loop plans, up to the
         interpreter's switch interval at a time), or inline."""
-        masks = None if fill is None else fill()
         if self._thread is None:
             result: Future[tuple[ModelRunnerOutput, float]] = Future()
             result.set_result(self._run(inputs, masks))

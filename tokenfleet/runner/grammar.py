@@ -27,8 +27,14 @@ end; once the matcher can take nothing more after a token, the request ends with
 that step, with no EOS sampled after it (stop_token_id None). EOS sampled where the
 grammar could go on or end ends it as EOS does on any row.
 
+With the engine's overlap, the step planned ahead is launched before the matchers have
+consumed the tokens of the step it follows: its masks go with it unfilled
+(Matchers.fill_later), and their fill starts once `advance` has run, beside its forward,
+without the rows of the requests that step ended (PendingFill.start).
+
 Rows of unconstrained requests are never touched: no mask, no copy, no Python per row
 beyond a set lookup, so their greedy output is the same as without constrained neighbours.
+(Over 400 lines: one concept, a constraint's way from its text to each step's masks.)
 """
 
 from __future__ import annotations
@@ -207,13 +213,22 @@ _BIAS_OF_BYTE = np.where(
 ).astype(np.float32)
 
 
+Fill = tuple[list[str], np.ndarray, dict[str, str]]  # (rows' requests, biases, failed)
+
+
 class TokenMasks:
     """One step's masks of the constrained rows that sample, being filled in a thread as
-    additive biases: 0 for a token the row's grammar allows, -inf for one it does not."""
+    additive biases: 0 for a token the row's grammar allows, -inf for one it does not.
+    Which rows they are is known once the fill is (`req_ids` waits for it): a step
+    launched before the one it follows has advanced the matchers (Matchers.fill_later)
+    leaves out the rows of requests that step ended."""
 
-    def __init__(self, req_ids: list[str], fill: Future[tuple[np.ndarray, dict[str, str]]]) -> None:
-        self.req_ids = req_ids
+    def __init__(self, fill: Future[Fill]) -> None:
         self._fill = fill
+
+    @property
+    def req_ids(self) -> list[str]:
+        return self._fill.result()[0]
 
     def wait(self) -> None:
         self._fill.result()
@@ -228,13 +243,13 @@ class TokenMasks:
         unmasked, their requests end with that error). The masked logits are `logits`
         itself, changed in place, unless a constrained row asks for logprobs: they are of
         the model's raw distribution, so then the masks go on a copy."""
-        biases, failed = self._fill.result()
+        masked, biases, failed = self._fill.result()
         row_of = {req_id: i for i, req_id in enumerate(req_ids)}
-        rows = [row_of[r] for r in self.req_ids if r not in failed]
+        rows = [row_of[r] for r in masked if r not in failed]
         if not rows:
             return logits, failed
         if failed:
-            biases = biases[[j for j, r in enumerate(self.req_ids) if r not in failed]]
+            biases = biases[[j for j, r in enumerate(masked) if r not in failed]]
         if any(wants_logprobs[i] for i in rows):
             logits = logits.clone()
         index = torch.tensor(rows, device=logits.device)
@@ -300,27 +315,42 @@ class Matchers:
 
     def start_fill(self, so: SchedulerOutput, skip: Collection[str] = ()) -> TokenMasks | None:
         """Starts filling the masks of this step's constrained rows that sample (None when
-        there are none), but those of `skip` (requests that ended in the step before,
-        planned ahead of it: their rows' tokens are dropped); TokenMasks.apply waits."""
+        there are none), but those of `skip`; TokenMasks.apply waits."""
+        req_ids = self._rows(so, skip)
+        return TokenMasks(self.submit(req_ids)) if req_ids else None
+
+    def fill_later(self, so: SchedulerOutput, skip: Collection[str] = ()) -> PendingFill | None:
+        """The masks of a step planned ahead of the one still ending, to launch it with
+        before the matchers have consumed that one's tokens (advance): PendingFill.start
+        then starts the fill, without the rows of the requests that step ended. None when
+        the step has no constrained row that samples."""
+        req_ids = self._rows(so, skip)
+        return PendingFill(self, req_ids) if req_ids else None
+
+    def _rows(self, so: SchedulerOutput, skip: Collection[str]) -> list[str]:
         matchers = self._matchers
-        req_ids = [
+        return [
             s.req_id
             for s in so.scheduled
             if s.sample and s.req_id in matchers and s.req_id not in skip
         ]
-        if not req_ids:
-            return None
+
+    def submit(self, req_ids: list[str]) -> Future[Fill]:
+        """Starts filling the masks of these requests' rows (in this order)."""
+        matchers = self._matchers
+        req_ids = [r for r in req_ids if r in matchers]  # none: aborted meanwhile
         rows = [matchers[r] for r in req_ids]
         stops = [(i, self._stops[r]) for i, r in enumerate(req_ids) if r in self._stops]
-        return TokenMasks(req_ids, self._pool.submit(self._fill, req_ids, rows, stops))
+        return self._pool.submit(self._fill, req_ids, rows, stops)
 
     def _fill(
         self,
         req_ids: list[str],
         matchers: list[llguidance.LLMatcher],
         stops: list[tuple[int, frozenset[int]]],
-    ) -> tuple[np.ndarray, dict[str, str]]:
-        """(biases [rows, vocab] float32, {req_id: why} for matchers that failed)."""
+    ) -> Fill:
+        """(the rows' requests, biases [rows, vocab] float32, {req_id: why} for matchers
+        that failed)."""
         n, words = len(matchers), self._words
         bitmask = np.empty((n, words), dtype=np.int32)
         if self._executor is None:
@@ -344,7 +374,7 @@ class Matchers:
         biases = np.take(_BIAS_OF_BYTE, disallowed, axis=0).reshape(n, -1)
         if biases.shape[1] != self.vocab_size:
             biases = np.ascontiguousarray(biases[:, : self.vocab_size])
-        return biases, failed
+        return req_ids, biases, failed
 
     def advance(
         self, sampled: Mapping[str, int], req_ids: Sequence[str]
@@ -373,3 +403,33 @@ class Matchers:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PendingFill:
+    """Masks whose fill starts later (Matchers.fill_later): `masks` goes with the launch;
+    `start(ended)` fills them for the rows but those of `ended`, or `fail(exc)` makes them
+    raise. One of the two must come: the step's forward waits for its masks."""
+
+    def __init__(self, matchers: Matchers, req_ids: list[str]) -> None:
+        self._matchers = matchers
+        self._req_ids = req_ids
+        self._result: Future[Fill] = Future()
+        self.masks = TokenMasks(self._result)
+
+    def start(self, ended: Collection[str]) -> None:
+        req_ids = [r for r in self._req_ids if r not in ended]
+        if not req_ids:
+            self._result.set_result(([], np.empty((0, self._matchers.vocab_size), np.float32), {}))
+            return
+        self._matchers.submit(req_ids).add_done_callback(self._done)
+
+    def fail(self, exc: BaseException) -> None:
+        if not self._result.done():
+            self._result.set_exception(exc)
+
+    def _done(self, fill: Future[Fill]) -> None:
+        error = fill.exception()
+        if error is not None:
+            self._result.set_exception(error)
+        else:
+            self._result.set_result(fill.result())
