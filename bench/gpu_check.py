@@ -120,8 +120,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--overlap",
         choices=("auto", "on", "off"),
         default="auto",
-        help="the engine's overlap (auto: on for CUDA): the step after the current one "
-        "planned during its forward",
+        help="the engine's overlap (auto: off for the model on CUDA): the step after the "
+        "current one planned during its forward",
     )
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)

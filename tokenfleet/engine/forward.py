@@ -29,13 +29,17 @@ from tokenfleet.runner.grammar import TokenMasks
 
 
 def overlap_wanted(config: EngineConfig) -> bool:
-    """EngineConfig.overlap, or when unset: on but for the model on a CPU whose torch
-    threads take every core this process may use (the planning would take a core from the
-    forward: measured slower, docs/benchmarks.md)."""
+    """EngineConfig.overlap, or when unset: on but where the model's forward itself needs
+    the host the planning would take (measured slower, docs/benchmarks.md): on a CPU whose
+    torch threads take every core this process may use, and on an accelerator, whose
+    forward here issues its kernels one by one from Python, holding the GIL (an H200, 64
+    sequences: 32 ms a step with it, 23 without; 256: the same)."""
     if config.overlap is not None:
         return config.overlap
-    if config.runner != "model" or config.device != "cpu":
+    if config.runner != "model":
         return True
+    if config.device != "cpu":
+        return False
     threads = config.num_threads or envs.num_threads() or torch.get_num_threads()
     return threads < len(os.sched_getaffinity(0))
 
