@@ -240,7 +240,13 @@ def test_each_of_n_sampled_choices_is_read_separately_with_its_logprobs(
             if c.index == choice.index and c.logprobs is not None
             for lp in c.logprobs.content or []
         ]
-        assert streamed == [(lp.token, lp.logprob) for lp in choice.logprobs.content or []]
+        whole = [(lp.token, lp.logprob) for lp in choice.logprobs.content or []]
+        assert [t for t, _ in streamed] == [t for t, _ in whole]
+        # The same tokens' logprobs, to the last float bits only where the two requests'
+        # rows ran in alike batches: a row's numbers depend on the batch it runs in (the
+        # choices admitted in one step or two, a prompt whole or from the prefix cache),
+        # and that depends on timing (under load: -3.4732485 against -3.4732614).
+        assert [p for _, p in streamed] == pytest.approx([p for _, p in whole], abs=1e-4)
     total = sum(len(c.logprobs.content or []) for c in completion.choices if c.logprobs)
     assert completion.usage is not None and total == completion.usage.completion_tokens
     same_choices(final_of_stream(client, **kwargs), completion)
