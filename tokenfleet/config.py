@@ -212,7 +212,8 @@ class FleetConfig:
     restarts it up to `max_restarts` times. A request moved more than `max_moves` times
     ends with an error. A replica aborts the requests of a gateway silent for
     `gateway_timeout_s`. `threads_per_replica`: torch threads of each CPU replica (None:
-    the node's cores shared among `replicas`).
+    the node's cores shared among `replicas`). A replica scaled away drains: its requests
+    have `drain_grace_s` to end on it before they move to other replicas.
     """
 
     replicas: int = 1
@@ -226,6 +227,7 @@ class FleetConfig:
     threads_per_replica: int | None = None
     # fleet/router.py's policy: "prefix" (affinity and load), "least_loaded", "round_robin".
     router: str = "prefix"
+    drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -236,3 +238,5 @@ class FleetConfig:
             raise ValueError("the beat interval must be positive and under the replica timeout")
         if self.gateway_timeout_s <= 0 or self.move_wait_s <= 0:
             raise ValueError("gateway_timeout_s and move_wait_s must be positive")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be at least 0, got {self.drain_grace_s}")

@@ -1,11 +1,11 @@
 """Fuzzing a real `tokenfleet serve` (the bundled model) on every route (issue 29).
 
-- schemathesis reads /openapi.json and generates requests for each of its 25 operations
+- schemathesis reads /openapi.json and generates requests for each of its 26 operations
   (ROUTES, checked against the schema), in its positive mode (what the schema describes)
   and its negative mode (what it does not: wrong types, missing fields, other media
   types). Some path ids, cursors and bodies are aimed at what exists (an uploaded file, a
   batch, the served model, the fields a body needs to reach the engine) to get past the
-  404 or the first 400. 20 to 40 requests on each route with parameters or a body, 567 in
+  404 or the first 400. 20 to 40 requests on each route with parameters or a body, 587 in
   all; at least 30 generated bodies on each JSON body route (20 on the file upload).
 - hypothesis draws sampling parameters and messages for /v1/messages, /v1/chat/completions
   and /v1/completions (support/fuzz_bodies.py), each field from the values the API takes or
@@ -92,6 +92,7 @@ ROUTES = {
     "GET /health/ready": Budget(1),
     "GET /metrics": Budget(1),
     "GET /admin/fleet": Budget(1),
+    "POST /admin/fleet/scale": Budget(20, min_bodies=10),  # one engine: a 400 at best
     "GET /v1/models": Budget(2),  # with the anthropic-version header, and without
     "GET /v1/models/{model_id}": Budget(20),
     "POST /v1/messages/batches": Budget(40, min_bodies=30),

@@ -21,6 +21,7 @@ import pytest
 from support.api import raw_exchange
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, free_port, live_server
 
+from tokenfleet.cli.main import main
 from tokenfleet.server.limits import GroupLimits, RateLimited, RateLimiter, go_duration
 
 pytestmark = pytest.mark.fake("runner")
@@ -156,6 +157,34 @@ def test_metrics_need_the_operator_key_and_caller_keys_do_not_open_it_fixed_runn
     # Health probes are open.
     for path in ("/health", "/health/live", "/health/ready"):
         assert httpx.get(server.url + path, timeout=HTTP_TIMEOUT_S).status_code == 200
+
+
+def test_scaling_needs_the_operator_key_and_a_fleet_fixed_runner(
+    server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """POST /admin/fleet/scale: 401 without the operator key (a caller's key included);
+    with it, a bad body is a 400 naming `replicas`, and a good one a 400 saying a single
+    engine process cannot scale; `tokenfleet fleet` says the same and lists the engine."""
+    scale = server.url + "/admin/fleet/scale"
+    for headers in ({}, {"x-api-key": "alpha-1"}):
+        reply = httpx.post(scale, json={"replicas": 2}, headers=headers, timeout=HTTP_TIMEOUT_S)
+        assert reply.status_code == 401, reply.text
+    operator = {"x-api-key": OPERATOR}
+    for body in ({"replicas": 0}, {"replicas": "2"}, {"replicas": 2.5}, {"replicas": True}, {}):
+        reply = httpx.post(scale, json=body, headers=operator, timeout=HTTP_TIMEOUT_S)
+        assert reply.status_code == 400, (body, reply.text)
+        assert reply.json()["error"]["param"] == "replicas", (body, reply.text)
+    reply = httpx.post(scale, content=b"{", headers=operator, timeout=HTTP_TIMEOUT_S)
+    assert reply.status_code == 400 and "malformed JSON" in reply.json()["error"]["message"]
+    reply = httpx.post(scale, json={"replicas": 2}, headers=operator, timeout=HTTP_TIMEOUT_S)
+    needs = "scaling needs a fleet of replicas (serve --replicas or --ray-address)"
+    assert (reply.status_code, reply.json()["error"]["message"]) == (400, needs)
+    assert main(["fleet", "scale", "2", "--url", server.url]) == 1
+    assert "tokenfleet fleet scale: 401: missing or invalid operator key" in capsys.readouterr().err
+    assert main(["fleet", "scale", "2", "--url", server.url, "--operator-key", OPERATOR]) == 1
+    assert f"tokenfleet fleet scale: 400: {needs}" in capsys.readouterr().err
+    assert main(["fleet", "status", "--url", server.url, "--operator-key", OPERATOR]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[:2] == ["0", "ready"]
 
 
 def _stream(server: LiveServer, key: str) -> tuple[socket.socket, bytes]:

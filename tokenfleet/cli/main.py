@@ -9,6 +9,7 @@ import sys
 from tokenfleet.cli.batch import add_batch_command
 from tokenfleet.cli.bench import add_bench_command
 from tokenfleet.cli.common import env_help
+from tokenfleet.cli.fleet import add_fleet_command
 from tokenfleet.cli.model import add_model_command
 from tokenfleet.cli.serve import add_serve_command
 from tokenfleet.cli.sim import add_sim_command
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_command(commands)
     add_serve_command(commands)
     add_batch_command(commands)
+    add_fleet_command(commands)
     add_bench_command(commands)
     add_sim_command(commands)
     return parser

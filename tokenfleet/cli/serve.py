@@ -158,6 +158,7 @@ def _fleet(args: argparse.Namespace) -> FleetConfig | None:
         max_moves=args.max_moves,
         threads_per_replica=args.num_threads,
         router=args.router.replace("-", "_"),
+        drain_grace_s=args.drain_grace,
     )
 
 
@@ -425,6 +426,13 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         "(default), or the two baselines",
     )
     add(
+        "--drain-grace",
+        type=float,
+        default=30.0,
+        help="seconds a replica scaled away lets its requests end before they move to "
+        "others (default %(default)s)",
+    )
+    add(
         "--max-moves",
         type=int,
         default=3,
@@ -436,7 +444,8 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         choices=("auto", "on", "off"),
         default="auto",
         help="plan each engine step while the previous one's forward runs: auto (the "
-        "default) is on, except for the model on a CPU whose torch threads take every core",
+        "default) is on, except for the model on an accelerator or on a CPU whose torch "
+        "threads take every core (measured slower there: docs/benchmarks.md)",
     )
     add("--no-overlap", dest="overlap", action="store_const", const="off", help="--overlap off")
     add(

@@ -8,6 +8,7 @@
     links.py      the gateway's connection to one replica: its socket, beats and state
     client.py     FleetClient, the gateway's ReplicaClient for the whole fleet: routing,
                   and moving a dead replica's requests to another
+    scaling.py    scaling by hand: replicas added, and drained before they stop
 
 Ray owns placement, restarts and node membership; tokens flow by the engine's own
 one-message-per-step protocol over ZMQ, never as a Ray call per token.

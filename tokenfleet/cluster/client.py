@@ -18,6 +18,8 @@ is engine/client.py's AsyncEngineClient; the gateway sees only their shared inte
   missing token. The engine request id is `<id>/<attempt>`, so outputs of an older
   attempt (a replica that speaks late) are dropped. A request moved more than `max_moves`
   times, or with no replica to move to for `move_wait_s`, ends with EngineDeadError.
+- **Scaling**: scaling.py's Scaler adds replicas and drains those it removes; a drained
+  replica's requests move as a dead one's do, without counting against `max_moves`.
 
 (Over 400 lines: placing, moving and hearing from replicas are one state machine over the
 same requests and links: a replica's death moves its requests, a beat unparks them, an
@@ -32,9 +34,9 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import zmq
@@ -42,6 +44,7 @@ import zmq.asyncio
 
 from tokenfleet.cluster.links import ReplicaLink, merge_stats
 from tokenfleet.cluster.placement import ReplicaDescription
+from tokenfleet.cluster.scaling import Scaler
 from tokenfleet.cluster.wire import (
     FleetMessage,
     GatewayPing,
@@ -80,6 +83,18 @@ class Directory(Protocol):
         (frozen, cut off). Ray notices neither by itself."""
         ...
 
+    def add(self, replica_id: int) -> None:
+        """Start a replica of this id (a scale-up)."""
+        ...
+
+    def set_draining(self, replica_id: int, draining: bool) -> None:
+        """Flag the replica draining or not; `describe` shows the flag to every gateway."""
+        ...
+
+    def remove(self, replica_id: int) -> None:
+        """Stop the replica for good (drained); `describe` no longer lists it."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -95,6 +110,7 @@ class _Moving:
     routed_tokens: int = 0  # what the router was told it has to prefill
     first_seen: bool = False
     parked_at: float | None = None  # waiting for a replica to move to since then
+    num_drain_moves: int = 0  # moves off a draining replica (not counted in max_moves)
 
     @property
     def engine_id(self) -> str:
@@ -120,6 +136,7 @@ class FleetClient:
         gateway_id: str | None = None,
         host: str = "127.0.0.1",
         ttft_target_s: float = 2.0,
+        drain_grace_s: float = 30.0,
     ) -> None:
         """`host`: the address replicas reach this gateway at (its node's)."""
         self.config = config
@@ -150,6 +167,7 @@ class FleetClient:
         self.count_pending: Callable[[], int | None] | None = None
         # AsyncEngineClient's knobs, set by the gateway; the fleet has its own.
         self.restart_backoff_s = self.restart_backoff_max_s = 0.0
+        self.scaler = Scaler(self, drain_grace_s)
 
     # -- the ReplicaClient interface ----------------------------------------------
 
@@ -253,6 +271,43 @@ class FleetClient:
                 self._abort_on_replica(moving)
                 self._forget(moving)
 
+    # -- what the scaler does through the client -----------------------------------
+
+    def scale(self, num_replicas: int) -> dict[str, object]:
+        return self.scaler.scale(num_replicas)
+
+    def add_link(self, replica_id: int) -> ReplicaLink:
+        link = self.links[replica_id] = ReplicaLink(replica_id)
+        self.router.add_replica(replica_id)
+        return link
+
+    def drop_link(self, link: ReplicaLink) -> None:
+        """The replica is no longer part of this gateway's fleet (drained)."""
+        self.move_all(link, f"replica {link.replica_id} leaves the fleet")
+        link.close()
+        self.links.pop(link.replica_id, None)
+        self.router.remove_replica(link.replica_id)
+
+    def move_all(self, link: ReplicaLink, why: str) -> int:
+        """Move this gateway's requests off a draining replica; how many."""
+        moving = [self._requests[r] for r in list(link.requests) if r in self._requests]
+        for one in moving:
+            self._move(one, why, drain=True)
+        return len(moving)
+
+    def mark_ready(self, link: ReplicaLink) -> None:
+        link.state = "ready"
+        logger.info("replica %d is ready", link.replica_id)
+        self._ready.set()
+        self._unpark()
+
+    def unready(self) -> None:
+        self._ready.clear()
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        self._tasks = [task for task in self._tasks if not task.done()]
+        self._tasks.append(asyncio.create_task(work))
+
     # -- placing and moving requests ----------------------------------------------
 
     def _queues_entry(self, moving: _Moving) -> _Moving:
@@ -344,18 +399,21 @@ class FleetClient:
         if link is not None:
             link.send(self._encoder.encode(AbortRequests([moving.engine_id])))
 
-    def _move(self, moving: _Moving, why: str) -> None:
+    def _move(self, moving: _Moving, why: str, *, drain: bool = False) -> None:
         self._abort_on_replica(moving)  # in case it only paused: nothing more from it
         self._leave(moving)
         if moving.request.req_id not in self._queues:  # its caller has gone
             self._forget(moving)
             return
         moving.attempt += 1
-        if moving.attempt > self.max_moves:
+        moving.num_drain_moves += drain
+        if moving.attempt - moving.num_drain_moves > self.max_moves:
             self._fail(moving, f"the request was moved {self.max_moves} times ({why})")
             return
-        self.num_moves += 1
-        logger.warning(
+        if not drain:
+            self.num_moves += 1
+        logger.log(
+            logging.INFO if drain else logging.WARNING,
             "request %s moves (attempt %d, %d tokens received): %s",
             moving.request.req_id,
             moving.attempt,
@@ -396,10 +454,9 @@ class FleetClient:
             await asyncio.sleep(self.discover_interval_s)
 
     def _discovered(self, replica_id: int, found: ReplicaDescription | str) -> None:
-        link = self.links.get(replica_id)
-        if link is None:
-            link = self.links[replica_id] = ReplicaLink(replica_id)
-            self.router.add_replica(replica_id)
+        if self.scaler.ignores(replica_id, found):
+            return
+        link = self.links.get(replica_id) or self.add_link(replica_id)
         if isinstance(found, str):
             if found in ("dead", "restarting") and link.state != "dead":
                 self._replica_dead(link, f"Ray reports it {found}")
@@ -414,9 +471,12 @@ class FleetClient:
                 self._tasks.append(task)
             return
         if found.incarnation == link.incarnation:
+            self.scaler.follow(link, found.draining)
             return
         if link.incarnation is not None:
             self._replica_dead(link, "it has a new incarnation")
+            if replica_id not in self.links:
+                return  # it was draining: gone
         if link.fenced or link.incarnation is not None:
             link.restarts += 1
             self.num_restarts += 1
@@ -426,6 +486,7 @@ class FleetClient:
         link.connect(self._send_ctx, self._identity)
         link.send(self._ping)
         logger.info("replica %d incarnation %d at %s", replica_id, found.incarnation, link.address)
+        self.scaler.follow(link, found.draining)
 
     def _replica_dead(self, link: ReplicaLink, why: str) -> None:
         if link.incarnation is not None:
@@ -443,6 +504,7 @@ class FleetClient:
                 self._move(moving, f"replica {link.replica_id}: {why}")
         link.requests.clear()
         link.num_batch = 0
+        self.scaler.died(link)
 
     async def _watchdog(self) -> None:
         ping = self._ping
@@ -493,6 +555,7 @@ class FleetClient:
                     self._replica_dead(link, f"silent for {silence:.0f} s while starting")
             elif silence > self.replica_timeout_s:
                 self._replica_dead(link, f"silent for {silence:.1f} s")
+        self.scaler.tick(now)
         self._unpark()
         return next_ping
 
@@ -515,10 +578,7 @@ class FleetClient:
                 self._reported(link, message.stats)
             link.info = message.info
             if message.info is not None and link.state == "starting":
-                link.state = "ready"
-                logger.info("replica %d is ready", link.replica_id)
-                self._ready.set()
-                self._unpark()
+                self.mark_ready(link)
         elif isinstance(message, ReplicaOutputs):
             if message.outputs.stats is not None:
                 self._reported(link, message.outputs.stats)

@@ -2,10 +2,11 @@
 only sends: replies come to the gateway's one PULL socket, wire.py), the replica's latest
 beat, and its state as this gateway sees it.
 
-States: "starting" (connected, model loading), "ready" (routable), "dead" (silent past the
-timeout, or Ray says so; its incarnation is fenced: nothing more from it is taken, and a
-replica comes back only as a new incarnation). The capacity issue adds "draining", "slow"
-and "fenced" with behaviour of their own.
+States: "starting" (connected, model loading), "ready" (routable), "draining" (scaled
+away: no new work, its requests end or move, then it is gone: scaling.py), "dead" (silent
+past the timeout, or Ray says so; its incarnation is fenced: nothing more from it is taken,
+and a replica comes back only as a new incarnation). The capacity issue adds "slow" and
+"fenced" with behaviour of their own.
 """
 
 from __future__ import annotations

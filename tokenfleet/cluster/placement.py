@@ -6,7 +6,8 @@ RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before ray is imported, else Ray rewrites th
 and the driver retries forever: ../shared/RAY.md); no dashboard; a small object store (no
 object of ours goes through it). Replicas are detached, named actors in the "tokenfleet"
 namespace, so that any gateway finds them and none takes them down by dying; Ray restarts
-one that dies up to `max_restarts` times.
+one that dies up to `max_restarts` times. Scaling (scaling.py) adds replicas by the next
+free id, flags one draining (every gateway reads the flag) and stops one for good.
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ REPLICA_PREFIX = "replica-"
 # The resource a CPU node offers per replica it can hold (GPU nodes: num_gpus=1 instead).
 REPLICA_RESOURCE = "tokenfleet_replica"
 OBJECT_STORE_BYTES = 100 * 2**20
+# Replicas a local instance has room for (a logical resource: `serve --replicas N` starts N,
+# scaling by hand may add more; memory and cores are the operator's to judge).
+LOCAL_REPLICA_ROOM = 64
+
+
+# A bound on a Ray call that flags a replica draining (it answers at once unless stuck).
+DIRECTORY_CALL_S = 10.0
 
 
 class ClusterError(TokenfleetError):
@@ -47,6 +55,7 @@ class ReplicaDescription:
     node: str
     pid: int
     ready: bool
+    draining: bool = False  # flagged by a gateway that scales it away: no new work
 
 
 def import_ray() -> Any:
@@ -72,6 +81,9 @@ class RayFleet:
         self._ray: Any = None
         self._started_ray = False
         self._handles: dict[int, Any] = {}
+        self._removed: set[int] = set()  # stopped for good by this gateway
+        self._actor_class: Any = None
+        self._config_json = b""
 
     @property
     def host(self) -> str:
@@ -85,7 +97,7 @@ class RayFleet:
             if spec.ray_address is None:
                 ray.init(
                     num_cpus=max(2, spec.replicas),
-                    resources={REPLICA_RESOURCE: spec.replicas},
+                    resources={REPLICA_RESOURCE: max(spec.replicas, LOCAL_REPLICA_ROOM)},
                     object_store_memory=OBJECT_STORE_BYTES,
                     include_dashboard=False,
                     namespace=NAMESPACE,
@@ -99,27 +111,47 @@ class RayFleet:
             self.check_model_on_nodes(self.engine.model)
         # By name: the gateway never imports the engine (torch); only the actor's process does.
         replica = importlib.import_module("tokenfleet.cluster.replica")
-        actor_class = ray.remote(replica.ReplicaActor)
-        resources = {} if self.gpus else {REPLICA_RESOURCE: 1}
+        self._actor_class = ray.remote(replica.ReplicaActor)
         engine = self.engine
         if not self.gpus and engine.num_threads is None:
             # The node's cores shared among its replicas (all of them, on a local instance).
             threads = spec.threads_per_replica or max(1, (os.cpu_count() or 1) // spec.replicas)
             engine = dataclasses.replace(engine, num_threads=threads)
-        config_json = msgspec.json.encode(engine)
+        self._config_json = msgspec.json.encode(engine)
         for replica_id in range(spec.replicas):
-            self._handles[replica_id] = actor_class.options(
-                name=replica_name(replica_id),
-                namespace=NAMESPACE,
-                lifetime="detached",
-                get_if_exists=True,
-                max_restarts=spec.max_restarts,
-                max_task_retries=0,
-                num_cpus=0,
-                num_gpus=1 if self.gpus else 0,
-                resources=resources,
-            ).remote(replica_id, config_json, spec.beat_interval_s, spec.gateway_timeout_s)
+            self.add(replica_id)
         logger.info("%d replicas on Ray (%s)", spec.replicas, spec.ray_address or "local")
+
+    def add(self, replica_id: int) -> None:
+        """Create the replica actor of this id unless it runs already (any gateway's)."""
+        spec = self.spec
+        self._removed.discard(replica_id)
+        self._handles[replica_id] = self._actor_class.options(
+            name=replica_name(replica_id),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            max_restarts=spec.max_restarts,
+            max_task_retries=0,
+            num_cpus=0,
+            num_gpus=1 if self.gpus else 0,
+            resources={} if self.gpus else {REPLICA_RESOURCE: 1},
+        ).remote(replica_id, self._config_json, spec.beat_interval_s, spec.gateway_timeout_s)
+
+    def set_draining(self, replica_id: int, draining: bool) -> None:
+        """Flag the replica draining (or not): every gateway reads it in `describe`."""
+        handle = self.handles().get(replica_id)
+        if handle is not None:
+            self._ray.get(handle.drain.remote(draining), timeout=DIRECTORY_CALL_S)
+
+    def remove(self, replica_id: int) -> None:
+        """Stop the replica for good (drained): Ray does not restart it, and its name is
+        free for a later scale-up."""
+        handle = self.handles().pop(replica_id, None)
+        self._handles.pop(replica_id, None)
+        self._removed.add(replica_id)
+        if handle is not None:
+            self._ray.kill(handle, no_restart=True)
 
     def check_model_on_nodes(self, model: str) -> None:
         """Every node that can hold a replica has the model folder, or a clear error."""
@@ -152,7 +184,7 @@ class RayFleet:
         for name in ray.util.list_named_actors():
             if name.startswith(REPLICA_PREFIX) and name[len(REPLICA_PREFIX) :].isdigit():
                 replica_id = int(name[len(REPLICA_PREFIX) :])
-                if replica_id not in self._handles:
+                if replica_id not in self._handles and replica_id not in self._removed:
                     self._handles[replica_id] = ray.get_actor(name, namespace=NAMESPACE)
         return dict(self._handles)
 
@@ -176,7 +208,11 @@ class RayFleet:
             return ReplicaDescription(**found)
 
         results = await asyncio.gather(*(one(h) for h in handles.values()))
-        return dict(zip(handles, results, strict=True))
+        found = dict(zip(handles, results, strict=True))
+        for replica_id, result in found.items():
+            if result == "dead":  # its name is free: a later actor of that name is found anew
+                self._handles.pop(replica_id, None)
+        return found
 
     def restart(self, replica_id: int) -> None:
         """Kill the replica's process so that Ray starts it again (a restart counts

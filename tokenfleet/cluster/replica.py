@@ -95,6 +95,9 @@ class ReplicaBridge:
         self._last_step: float | None = None
         self._stopping = threading.Event()
         self.engine_error: BaseException | None = None
+        # Set by the gateway that scales this replica away: gateways read it (describe) and
+        # send it no new work. The bridge itself serves on as before.
+        self.draining = False
 
     def start(self) -> None:
         self._gateways = self._ctx.socket(zmq.ROUTER)
@@ -309,7 +312,11 @@ class ReplicaActor:
             "node": self.node_id,
             "pid": os.getpid(),
             "ready": self.bridge.ready,
+            "draining": self.bridge.draining,
         }
+
+    def drain(self, draining: bool) -> None:
+        self.bridge.draining = draining
 
     def stop(self) -> None:
         self.bridge.stop()

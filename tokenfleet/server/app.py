@@ -28,6 +28,7 @@ from tokenfleet.engine.client import AsyncEngineClient
 from tokenfleet.engine.replica_client import ReplicaClient
 from tokenfleet.fleet.router import RouterConfig
 from tokenfleet.server import (
+    admin,
     anthropic_api,
     anthropic_batches,
     openai_batches,
@@ -156,7 +157,13 @@ def create_app(config: ServeConfig) -> FastAPI:
 
             engine_config = replace(engine_config, model=str(folder))
         client = _replica_client(config, engine_config)
-        metrics = Metrics(lambda: client.stats, client.replica_stats, lambda: client.num_moves)
+        fleet_client = admin.fleet_of(client)
+        metrics = Metrics(
+            lambda: client.stats,
+            client.replica_stats,
+            lambda: client.num_moves,
+            fleet_client.scaler if fleet_client is not None else None,
+        )
         app.state.client = client
         app.state.metrics = metrics
         app.state.service = GenerationService(
@@ -255,13 +262,6 @@ def create_app(config: ServeConfig) -> FastAPI:
             body["engine_pid"] = client.pid
         return JSONResponse(body, status_code=503 if down else 200)
 
-    @app.get("/admin/fleet")
-    async def fleet(request: Request) -> JSONResponse:
-        # The replicas as this gateway sees them (the operator key guards /admin/).
-        client: ReplicaClient = request.app.state.client
-        body = {"replicas": client.describe(), "moves": client.num_moves}
-        return JSONResponse(body)
-
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         registry = request.app.state.metrics.registry
@@ -303,6 +303,7 @@ def create_app(config: ServeConfig) -> FastAPI:
     app.include_router(openai_chat.router)
     app.include_router(openai_completions.router)
     app.include_router(openai_batches.router)
+    app.include_router(admin.router)
     return app
 
 
@@ -323,6 +324,7 @@ def _replica_client(config: ServeConfig, engine: EngineConfig) -> ReplicaClient:
         replica_timeout_s=fleet.replica_timeout_s,
         max_moves=fleet.max_moves,
         move_wait_s=fleet.move_wait_s,
+        drain_grace_s=fleet.drain_grace_s,
         ttft_target_s=config.ttft_target_s,
         gateway_id=f"{config.batch.gateway_id}-{uuid.uuid4().hex[:8]}",
     )

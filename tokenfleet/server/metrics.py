@@ -3,7 +3,8 @@ the engine's last step message at scrape time."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -127,16 +128,38 @@ def _step_model_gauges(stats: SchedulerStats) -> Iterator[GaugeMetricFamily]:
     yield coefficients
 
 
+class Drains(Protocol):
+    """The fleet's drains so far (cluster/scaling.py's Scaler)."""
+
+    @property
+    def num_drained(self) -> int: ...
+
+    @property
+    def drain_seconds_sum(self) -> float: ...
+
+    @property
+    def num_drain_moves(self) -> int: ...
+
+    @property
+    def drains(self) -> Sized:
+        """Those in progress."""
+        ...
+
+
 class _ReplicaCollector(Collector):
     """Per-replica series, labelled `replica` (its id), from each one's latest message."""
 
     def __init__(
-        self, replicas: Callable[[], dict[str, SchedulerStats]], moves: Callable[[], int]
+        self,
+        replicas: Callable[[], dict[str, SchedulerStats]],
+        moves: Callable[[], int],
+        drains: Drains | None,
     ) -> None:
         self._replicas = replicas
         self._moves = moves
+        self._drains = drains
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
         series: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
             "tokenfleet_replica_requests_running": (
                 "requests running on the replica",
@@ -174,6 +197,24 @@ class _ReplicaCollector(Collector):
             "requests moved to another replica after theirs died, since the gateway started",
             value=self._moves(),
         )
+        drains = self._drains
+        if drains is not None:
+            yield SummaryMetricFamily(
+                "tokenfleet_fleet_drain_seconds",
+                "drains ended with the replica gone: seconds from the drain to gone",
+                count_value=drains.num_drained,
+                sum_value=drains.drain_seconds_sum,
+            )
+            yield CounterMetricFamily(
+                "tokenfleet_fleet_drain_moves",
+                "requests moved off a draining replica once its grace was over",
+                value=drains.num_drain_moves,
+            )
+            yield GaugeMetricFamily(
+                "tokenfleet_fleet_replicas_draining",
+                "replicas draining now",
+                value=len(drains.drains),
+            )
 
 
 class Metrics:
@@ -182,12 +223,13 @@ class Metrics:
         engine_stats: Callable[[], SchedulerStats | None],
         replica_stats: Callable[[], dict[str, SchedulerStats]] | None = None,
         moves: Callable[[], int] = lambda: 0,
+        drains: Drains | None = None,
     ) -> None:
         """`engine_stats`: all replicas' as one (the single engine's); `replica_stats`:
-        each replica's, for series with a `replica` label."""
+        each replica's, for series with a `replica` label; `drains`: a fleet's."""
         self.registry = CollectorRegistry()
         if replica_stats is not None:
-            self.registry.register(_ReplicaCollector(replica_stats, moves))
+            self.registry.register(_ReplicaCollector(replica_stats, moves, drains))
         labels = ("route", "priority")
         self.ttft = Histogram(
             "tokenfleet_time_to_first_token_seconds",

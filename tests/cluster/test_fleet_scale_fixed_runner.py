@@ -1,0 +1,229 @@
+"""Scaling a fleet by hand on a real 3-node Ray cluster on this machine (Ray's own test
+cluster, every socket on 127.0.0.1): a gateway (`tokenfleet serve --ray-address`) with 2
+fixed-runner replicas is scaled to 4 by `tokenfleet fleet scale 4` and back to 2 by
+POST /admin/fleet/scale while streams run without pause, through the official client.
+
+The fixed runner makes every answer known in advance (each token " a", a step 10 ms): a
+stream with exactly max_tokens of them and no error lost and repeated nothing. The drain
+grace is 1 s, shorter than the long streams: a drain lets the short ones end and moves
+the long ones.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server, wait_until
+from support.ray_cluster import RayTestCluster, fleet_rows, ray_cluster, wait_fleet_ready
+
+from tokenfleet.cli.main import main
+
+pytestmark = pytest.mark.fake("runner")
+
+FIXED = " a"  # the fixed runner's token, as text
+STEP_S = "0.01"
+GRACE_S = "1"
+# Each worker of the load runs one stream after another: most long (5 s at least, past
+# the grace), some short (ending within it).
+LONG, SHORT = 500, 30
+WORKER_TOKENS = [LONG] * 6 + [SHORT] * 2
+SETTLE_S = 120.0  # bounds that only a hang reaches
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayTestCluster]:
+    with ray_cluster(tmp_path_factory.mktemp("ray"), [4, 4]) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    cluster: RayTestCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LiveServer]:
+    args = ["--runner", "fixed", "--fixed-step-time", STEP_S, "--ray-address", cluster.address]
+    args += ["--replicas", "2", "--drain-grace", GRACE_S]
+    with live_server(tmp_path_factory.mktemp("gateway"), *args) as server:
+        wait_fleet_ready(server, 2)
+        yield server
+
+
+@dataclass
+class Load:
+    """Workers that each run one stream after another until stopped; every outcome kept:
+    (max_tokens, error, text, finish reasons, completion tokens)."""
+
+    server: LiveServer
+    outcomes: list[tuple[int, str | None, str, list[str], int | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._work, args=(tokens,), daemon=True)
+            for tokens in WORKER_TOKENS
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self, max_tokens: int) -> None:
+        client = openai.OpenAI(
+            base_url=f"{self.server.url}/v1",
+            api_key="unused",
+            max_retries=0,
+            timeout=HTTP_TIMEOUT_S,
+        )
+        while not self._stop.is_set():
+            pieces: list[str] = []
+            reasons: list[str] = []
+            usage: int | None = None
+            error = None
+            try:
+                chunks = client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Stream {len(self.outcomes)}"}],
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                for chunk in chunks:
+                    if chunk.usage is not None:
+                        usage = chunk.usage.completion_tokens
+                    for choice in chunk.choices:
+                        pieces.append(choice.delta.content or "")
+                        if choice.finish_reason is not None:
+                            reasons.append(choice.finish_reason)
+            except Exception as exc:  # the test looks at it
+                error = repr(exc)
+            self.outcomes.append((max_tokens, error, "".join(pieces), reasons, usage))
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(SETTLE_S)
+            assert not thread.is_alive(), "a stream still running: a hang"
+
+
+class Watch:
+    """GET /admin/fleet every 50 ms: each replica's states in the order seen ("gone" once
+    its row is no longer listed)."""
+
+    def __init__(self, server: LiveServer) -> None:
+        self.server = server
+        self.seen: dict[int, list[str]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            rows = {row["id"]: row["state"] for row in fleet_rows(self.server)}
+            for replica_id in rows.keys() | self.seen.keys():
+                state = rows.get(replica_id, "gone")
+                states = self.seen.setdefault(replica_id, [])
+                if not states or states[-1] != state:
+                    states.append(state)
+            time.sleep(0.05)
+
+    def stop(self) -> dict[int, list[str]]:
+        self._stop.set()
+        self._thread.join(HTTP_TIMEOUT_S)
+        return self.seen
+
+
+def admin(server: LiveServer) -> dict[str, Any]:
+    reply = httpx.get(f"{server.url}/admin/fleet", timeout=HTTP_TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def metric(server: LiveServer, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=HTTP_TIMEOUT_S).text
+    (value,) = [float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return value
+
+
+def test_a_bad_scale_body_is_a_400_naming_replicas_and_changes_nothing(
+    gateway: LiveServer,
+) -> None:
+    url = f"{gateway.url}/admin/fleet/scale"
+    for body in ({"replicas": 0}, {"replicas": 2000}, {"replicas": "3"}, {"replicas": 1.5}, {}):
+        reply = httpx.post(url, json=body, timeout=HTTP_TIMEOUT_S)
+        assert reply.status_code == 400, (body, reply.text)
+        error = reply.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "replicas"), body
+    reply = httpx.post(url, json={"replicas": 3, "nodes": 2}, timeout=HTTP_TIMEOUT_S)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "nodes"
+    assert admin(gateway)["target_replicas"] is None
+    assert [row["state"] for row in wait_fleet_ready(gateway, 2)] == ["ready"] * 2
+
+
+def test_scale_2_to_4_to_2_under_streams_loses_nothing_and_reports_each_drain(
+    gateway: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under a steady load of 8 streams at a time: replicas 2 and 3 pass starting ->
+    ready, take streams, then draining -> gone, while 0 and 1 stay ready throughout; every
+    stream has exactly its max_tokens and no error (no 5xx); each drain is in GET
+    /admin/fleet with its time and moves, and /metrics counts the same."""
+    wait_fleet_ready(gateway, 2)
+    watch = Watch(gateway)
+    load = Load(gateway)
+    try:
+        wait_until(lambda: len(load.outcomes) >= 4, SETTLE_S, "the load under way")
+        assert main(["fleet", "scale", "4", "--url", gateway.url]) == 0
+        out = capsys.readouterr().out
+        assert "scaling to 4 replicas: added [2, 3], kept [], draining []" in out
+        wait_fleet_ready(gateway, 4, timeout=SETTLE_S)
+
+        def both_busy() -> bool:
+            rows = {row["id"]: row for row in fleet_rows(gateway)}
+            return all(rows[i]["requests_from_this_gateway"] >= 2 for i in (2, 3))
+
+        wait_until(both_busy, SETTLE_S, "replicas 2 and 3 serving streams")
+        reply = httpx.post(
+            f"{gateway.url}/admin/fleet/scale", json={"replicas": 2}, timeout=HTTP_TIMEOUT_S
+        )
+        assert reply.status_code == 202, reply.text
+        assert reply.json() == {"replicas": 2, "added": [], "kept": [], "draining": [3, 2]}
+
+        def drained() -> bool:
+            body = admin(gateway)
+            done = {d["id"] for d in body["drains"] if d["state"] == "stopped"}
+            return done == {2, 3} and [r["id"] for r in body["replicas"]] == [0, 1]
+
+        wait_until(drained, SETTLE_S, "replicas 2 and 3 drained and gone")
+        count = len(load.outcomes)
+        wait_until(lambda: len(load.outcomes) >= count + 8, SETTLE_S, "more streams after it")
+    finally:
+        load.stop()
+        seen = watch.stop()
+    assert seen == {
+        0: ["ready"],
+        1: ["ready"],
+        2: ["starting", "ready", "draining", "gone"],
+        3: ["starting", "ready", "draining", "gone"],
+    }
+    bad = [o for o in load.outcomes if o[1:] != (None, FIXED * o[0], ["length"], o[0])]
+    assert bad == [] and len(load.outcomes) >= 20, bad
+    body = admin(gateway)
+    assert body["target_replicas"] == 2 and body["drain_grace_s"] == float(GRACE_S)
+    drains = {d["id"]: d for d in body["drains"]}
+    assert set(drains) == {2, 3}
+    assert all(d["state"] == "stopped" and d["asked_here"] for d in drains.values())
+    # Each drain took at least until its last stream ended or moved, within the grace
+    # plus the settling bound; the long streams it held moved (none failed).
+    assert all(0 < d["seconds"] < float(GRACE_S) + 5 + 2 for d in drains.values()), drains
+    moved = sum(d["moved"] for d in drains.values())
+    assert moved >= 1, drains
+    assert body["moves"] == 0  # no death: drains are not failover moves
+    assert metric(gateway, "tokenfleet_fleet_drain_seconds_count") == 2
+    total = metric(gateway, "tokenfleet_fleet_drain_seconds_sum")
+    assert abs(total - sum(d["seconds"] for d in drains.values())) < 0.002
+    assert metric(gateway, "tokenfleet_fleet_drain_moves_total") == moved
+    assert metric(gateway, "tokenfleet_fleet_replicas_draining") == 0
