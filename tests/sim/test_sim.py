@@ -15,12 +15,6 @@ import pytest
 import tokenfleet.core.scheduler
 import tokenfleet.sim.dispatch
 from tokenfleet.core.kv_cache import KVCacheManager
-from tokenfleet.fleet.autoscaler import (
-    AutoscalerConfig,
-    AutoscalerState,
-    FleetWindow,
-    target_replicas,
-)
 from tokenfleet.fleet.leasing import lease_room
 from tokenfleet.fleet.router import Router, RouterConfig
 from tokenfleet.loadgen.report import percentile
@@ -357,50 +351,39 @@ def test_backlog_leases_earliest_deadline_first() -> None:
     assert not backlog
 
 
-def window(**kw: Any) -> FleetWindow:
-    values: dict[str, Any] = {
-        "num_replicas": 10,
-        "slo_attainment": 0.995,
-        "queued_prefill_tokens": 0,
-        "batch_tokens_left": 0,
-        "batch_time_left_s": 0.0,
-        "batch_tokens_per_replica_s": 0.0,
-    }
-    values.update(kw)
-    return FleetWindow(**values)
-
-
-def test_autoscaler_scales_up_at_once_and_down_only_after_calm_windows() -> None:
-    config = AutoscalerConfig(min_replicas=2, max_replicas=40, down_windows=3)
-    state = AutoscalerState()
-    assert target_replicas(window(slo_attainment=0.9), config, state)[0] == 11
-    assert target_replicas(window(queued_prefill_tokens=10 * 9000), config, state)[0] == 11
-    # 1e6 tokens in 1000 s at half the time: 2000 tokens/s, 100 a replica: 20 replicas.
-    batch = window(
-        batch_tokens_left=1_000_000, batch_time_left_s=1000, batch_tokens_per_replica_s=100
-    )
-    assert target_replicas(batch, config, state)[0] == 20
-    targets = []
-    for _ in range(4):
-        target, state = target_replicas(window(), config, state)
-        targets.append(target)
-    assert targets == [10, 10, 9, 10]
-    # Between slo_low and slo_high: neither up nor a calm window.
-    assert target_replicas(window(slo_attainment=0.97), config, AutoscalerState(2)) == (
-        10,
-        AutoscalerState(0),
-    )
-
-
-def test_autoscaled_pool_grows_under_load() -> None:
+def test_autoscaled_pool_grows_under_load_without_asking_twice_for_a_starting_replica() -> None:
+    """The simulator runs the fleet's `Autoscaler` with the windows' time and starting
+    replicas: replicas take 25 s to start, windows are 10 s, so each one asked for is
+    starting for two windows, in which the same pressure adds nothing."""
     config = small_config(
         duration_s=120.0,
         interactive={"peak_rate": 40.0, "lengths": {"prompt_median": 2000, "output_median": 100}},
-        autoscaler={"min_replicas": 1, "max_replicas": 8, "window_s": 10.0, "startup_s": 5.0},
+        autoscaler={
+            "min_replicas": 1,
+            "max_replicas": 8,
+            "window_s": 10.0,
+            "startup_s": 25.0,
+            "up_cooldown_s": 0.0,
+        },
         policies=[{"name": "priority", "replicas": 1}],
     )
     result = simulate(config, config.policies[0])
-    assert max(s.replicas[0] for s in result.metrics.samples) > 1
+    decisions = [
+        (d.now_s, d.num_replicas, d.num_starting, d.target, d.reason)
+        for d in result.decisions["priority"]
+    ]
+    assert decisions[:7] == [
+        (10.0, 1, 0, 2, "queue"),
+        (20.0, 2, 1, 2, "starting"),
+        (30.0, 2, 1, 2, "starting"),
+        (40.0, 2, 0, 3, "slo"),
+        (50.0, 3, 1, 3, "starting"),
+        (60.0, 3, 1, 3, "starting"),
+        (70.0, 3, 0, 4, "slo"),
+    ]
+    assert len(decisions) == 11
+    # Serving replicas (sampled every 5 s) follow 25 s behind each ask.
+    assert [s.replicas[0] for s in result.metrics.samples][6:9] == [1, 2, 2]
 
 
 def test_config_errors_name_the_setting() -> None:

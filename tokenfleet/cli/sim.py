@@ -10,12 +10,14 @@ from pathlib import Path
 def _sim(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from tokenfleet.sim.config import ConfigError, load_config
+    from tokenfleet.sim.config import ConfigError, load_config, sampled
     from tokenfleet.sim.report import format_table, plot, summarize, write_json
     from tokenfleet.sim.run import simulate
 
     try:
         config = load_config(args.config)
+        if args.sample is not None:
+            config = sampled(config, args.sample)
     except (OSError, ConfigError) as exc:
         print(f"tokenfleet sim: {exc}", file=sys.stderr)
         return 2
@@ -54,5 +56,12 @@ def add_sim_command(commands: argparse._SubParsersAction) -> None:  # type: igno
         "--policy", action="append", help="only this fleet policy (repeatable; default all)"
     )
     sim.add_argument("--out", type=Path, default=Path("sim-out"), help="(default sim-out)")
+    sim.add_argument(
+        "--sample",
+        type=int,
+        metavar="K",
+        help="simulate each policy's N replicas as K given K/N of the traffic, totals "
+        "scaled back to N (overrides the config's sample_replicas)",
+    )
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(func=_sim)

@@ -14,6 +14,8 @@
     policies: [{name: separate, replicas: 8, interactive_replicas: 4}, {name: priority,
                replicas: 8}]
     autoscaler: {min_replicas: 2, max_replicas: 64}   # every pool, when present
+    sample_replicas: 8           # simulate each policy's N replicas as 8 given 8/N of the
+                                 # traffic, totals scaled back to N (sampling.py)
 
 An unknown key is an error naming it (ConfigError), never ignored.
 """
@@ -31,6 +33,7 @@ from tokenfleet.sim.hardware import ACCELERATORS, Deployment, deployment
 from tokenfleet.sim.metrics import Targets
 from tokenfleet.sim.pool import FleetPolicy, fleet_policy
 from tokenfleet.sim.replica import ReplicaConfig
+from tokenfleet.sim.sampling import Sampling
 from tokenfleet.sim.workload import BatchJob, InteractiveWorkload, Lengths, SharedPrompts
 
 T = TypeVar("T")
@@ -55,6 +58,27 @@ class SimConfig:
     batch_jobs: tuple[BatchJob, ...] = ()
     trace: Path | None = None
     sample_s: float = 60.0
+    sample_replicas: int | None = None  # k: each policy run as k of its replicas
+
+    def sampling(self, policy: FleetPolicy) -> Sampling | None:
+        """The policy's sample (k of its N replicas), None when run in full."""
+        if self.sample_replicas is None:
+            return None
+        return Sampling(self.sample_replicas, sum(p.replicas for p in policy.pools))
+
+
+def sampled(config: SimConfig, num_simulated: int | None) -> SimConfig:
+    """The config with `sample_replicas` set (None: in full), checked against every
+    policy: 1 <= k <= N, and every pool's replicas scaling to a whole number."""
+    config = replace(config, sample_replicas=num_simulated)
+    for policy in config.policies:
+        try:
+            sampling = config.sampling(policy)
+            if sampling is not None:
+                sampling.policy(policy)
+        except ValueError as exc:
+            raise ConfigError(f"sample_replicas: policy {policy.name!r}: {exc}") from exc
+    return config
 
 
 def _make(cls: type[T], values: Any, where: str) -> T:
@@ -154,7 +178,12 @@ def parse_config(data: dict[str, Any], base: Path = Path()) -> SimConfig:
         "interactive",
     )
     trace = data.get("trace")
-    return SimConfig(
+    num_simulated = data.get("sample_replicas")
+    if num_simulated is not None and (
+        isinstance(num_simulated, bool) or not isinstance(num_simulated, int)
+    ):
+        raise ConfigError(f"sample_replicas must be a whole number, got {num_simulated!r}")
+    config = SimConfig(
         deployment=dep,
         policies=tuple(policies),
         replica=_replica(data, dep),
@@ -168,6 +197,7 @@ def parse_config(data: dict[str, Any], base: Path = Path()) -> SimConfig:
         trace=None if trace is None else base / trace,
         sample_s=float(data.get("sample_s", 60.0)),
     )
+    return sampled(config, num_simulated)
 
 
 def load_config(path: Path) -> SimConfig:

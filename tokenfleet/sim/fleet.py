@@ -26,7 +26,7 @@ from typing import Any
 
 from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request
 from tokenfleet.core.sampling_params import SamplingParams
-from tokenfleet.fleet.autoscaler import FleetWindow, target_replicas
+from tokenfleet.fleet.autoscaler import FleetWindow
 from tokenfleet.fleet.router import Router, RouterConfig
 from tokenfleet.policy.harvest import StepCost
 from tokenfleet.sim.dispatch import BatchBacklog, JobState, room
@@ -290,26 +290,31 @@ class Simulation:
     # -- scaling -------------------------------------------------------------------
 
     def _on_tick(self, pool: Pool) -> None:
-        config = pool.spec.autoscaler
-        assert config is not None
+        scaler = pool.scaler
+        assert scaler is not None
+        config = scaler.config
         self._push(self.now + config.window_s, TICK, pool)
         attainment, batch_tokens = pool.take_window()
         jobs = self.backlog.jobs.values() if pool.spec.batch else ()
         pending = [j for j in jobs if not j.done]
         window = FleetWindow(
+            now_s=self.now,
             num_replicas=pool.size,
+            num_starting=pool.num_starting,
             slo_attainment=attainment,
             queued_prefill_tokens=self.routers[pool.index].queued_prefill_tokens,
             batch_tokens_left=sum(_tokens_left(j) for j in pending),
             batch_time_left_s=min((j.deadline_at - self.now for j in pending), default=0.0),
-            batch_tokens_per_replica_s=batch_tokens / max(pool.size, 1) / config.window_s,
+            # Made by the replicas up now (serving or draining), not those starting.
+            batch_tokens_per_replica_s=batch_tokens / max(len(pool.replicas), 1) / config.window_s,
         )
-        target, pool.autoscaler_state = target_replicas(window, config, pool.autoscaler_state)
+        target = scaler.decide(window)
         for _ in range(target - pool.size):
             pool.num_starting += 1
             self._push(self.now + config.startup_s, REPLICA_UP, (pool, self.now))
-        if target < pool.size and len(pool.serving) > 1:
-            self._drain(pool, pool.serving[-1])
+        for _ in range(pool.size - target):
+            if len(pool.serving) > 1:
+                self._drain(pool, pool.serving[-1])
 
     def _on_replica_up(self, data: tuple[Pool, float]) -> None:
         pool, asked_at = data

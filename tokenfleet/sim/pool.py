@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenfleet.fleet.autoscaler import AutoscalerConfig, AutoscalerState
+from tokenfleet.fleet.autoscaler import Autoscaler, AutoscalerConfig
 from tokenfleet.sim.replica import SimReplica
 
 FLEET_POLICIES = ("separate", "fcfs", "priority")
@@ -68,7 +68,8 @@ def fleet_policy(
 @dataclass
 class Pool:
     """A pool's replicas at run time: serving, draining (finishing what they hold before
-    they go) and asked for but still starting."""
+    they go) and asked for but still starting; its autoscaler when it has one (the
+    fleet's own `Autoscaler`, fed a window every `window_s`)."""
 
     index: int
     spec: PoolSpec
@@ -78,12 +79,16 @@ class Pool:
     num_starting: int = 0
     started_at: dict[int, float] = field(default_factory=dict)
     batch_in_flight: dict[int, int] = field(default_factory=dict)
-    autoscaler_state: AutoscalerState = field(default_factory=AutoscalerState)
+    scaler: Autoscaler | None = field(init=False)
     # The autoscaler's window: interactive requests finished and those within targets,
     # batch output tokens made.
     window_finished: int = 0
     window_met: int = 0
     window_batch_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        config = self.spec.autoscaler
+        self.scaler = None if config is None else Autoscaler(config)
 
     @property
     def size(self) -> int:

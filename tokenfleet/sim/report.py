@@ -5,7 +5,9 @@ Per policy: TTFT and TPOT p50/p90/p99 by class, whether the design's targets are
 SLO attainment (interactive requests within both p99 targets, of those finished or
 refused), tokens per
 accelerator-hour, batch jobs done against their deadlines, and replicas and KV use over
-time.
+time. A sampled run's totals (requests, tokens, accelerator-hours, replicas, a job's
+requests) are scaled back to the fleet it stands for; its percentiles and ratios are
+its own; engine steps and wall time are the sample's (what the simulation did).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from tokenfleet.loadgen.report import percentile
 from tokenfleet.sim.metrics import ClassLog, Targets
 from tokenfleet.sim.run import PolicyResult
+from tokenfleet.sim.sampling import Sampling
 from tokenfleet.sim.workload import INTERACTIVE
 
 PERCENTILES = (50, 90, 99)
@@ -28,15 +31,15 @@ def _latency(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{q}": percentile(values, q) for q in PERCENTILES}
 
 
-def _class_summary(log: ClassLog) -> dict[str, Any]:
+def _class_summary(log: ClassLog, total: Any) -> dict[str, Any]:
     return {
-        "finished": log.num_finished,
-        "unfinished": log.num_unfinished,
-        "refused": log.num_refused,
-        "within_targets": log.num_met,
-        "prompt_tokens": log.prompt_tokens,
-        "output_tokens": log.output_tokens,
-        "unfinished_output_tokens": log.unfinished_output_tokens,
+        "finished": total(log.num_finished),
+        "unfinished": total(log.num_unfinished),
+        "refused": total(log.num_refused),
+        "within_targets": total(log.num_met),
+        "prompt_tokens": total(log.prompt_tokens),
+        "output_tokens": total(log.output_tokens),
+        "unfinished_output_tokens": total(log.unfinished_output_tokens),
         "ttft_s": _latency(log.ttft_s),
         "tpot_s": _latency(log.tpot_s),
     }
@@ -50,35 +53,53 @@ def targets_met(summary: dict[str, Any], targets: Targets) -> bool:
     return all(v is not None and v <= limit for v, limit in zip(values, limits, strict=True))
 
 
+def _sampling(sampling: Sampling | None) -> dict[str, Any] | None:
+    if sampling is None:
+        return None
+    return {
+        "simulated_replicas": sampling.num_simulated,
+        "replicas": sampling.num_replicas,
+        "traffic_fraction": sampling.fraction,
+    }
+
+
 def summarize(result: PolicyResult, targets: Targets) -> dict[str, Any]:
     m = result.metrics
-    classes = {kind: _class_summary(log) for kind, log in m.classes.items()}
-    interactive = classes[INTERACTIVE]
+    sampling = result.sampling
+
+    def total(value: int) -> int:
+        """A count of the run, for the fleet the run stands for."""
+        return value if sampling is None else round(sampling.total(value))
+
+    own = {kind: _class_summary(log, lambda v: v) for kind, log in m.classes.items()}
+    classes = {kind: _class_summary(log, total) for kind, log in m.classes.items()}
+    interactive = own[INTERACTIVE]
     # Requests still running at the end are left out: their latencies are not known.
     sent = interactive["finished"] + interactive["refused"]
     tokens = sum(
         c["prompt_tokens"] + c["output_tokens"] + c["unfinished_output_tokens"]
-        for c in classes.values()
+        for c in own.values()
     )
     # Tokens made, finished or not: a short run would otherwise miss long outputs.
-    output = sum(c["output_tokens"] + c["unfinished_output_tokens"] for c in classes.values())
+    output = sum(c["output_tokens"] + c["unfinished_output_tokens"] for c in own.values())
     hours = m.accelerator_s / 3600
     return {
         "policy": result.policy.name,
         "pools": [asdict(p) for p in result.policy.pools],
+        "sampling": _sampling(sampling),
         "classes": classes,
         "targets": asdict(targets),
         "targets_met": targets_met(interactive, targets),
         "slo_attainment": interactive["within_targets"] / sent if sent else None,
-        "accelerator_hours": hours,
+        "accelerator_hours": hours if sampling is None else sampling.total(hours),
         "tokens_per_accelerator_hour": tokens / hours if hours else None,
         "output_tokens_per_accelerator_hour": output / hours if hours else None,
         "batch_jobs": [
             {
                 "job": j.job_id,
-                "requests": j.num_requests,
-                "done": j.num_done,
-                "done_by_deadline": j.num_done_in_time,
+                "requests": total(j.num_requests),
+                "done": total(j.num_done),
+                "done_by_deadline": total(j.num_done_in_time),
                 "deadline_at_s": j.deadline_at,
                 "last_done_at_s": j.last_done_at,
             }
@@ -86,7 +107,7 @@ def summarize(result: PolicyResult, targets: Targets) -> dict[str, Any]:
         ],
         "timeline": {
             "time_s": [s.time_s for s in m.samples],
-            "replicas": [s.replicas for s in m.samples],
+            "replicas": [[total(n) for n in s.replicas] for s in m.samples],
             "kv_usage": [s.kv_usage for s in m.samples],
         },
         "engine_steps": m.num_steps,
@@ -123,9 +144,16 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
                 f"{'':<10}batch job {job['job']}: {job['done_by_deadline']}/{job['requests']} "
                 f"done by its deadline ({job['done']} done in all)"
             )
+        sample = s.get("sampling")
         lines.append(
             f"{'':<10}{s['accelerator_hours']:.3g} accelerator-hours, {s['engine_steps']:,} "
             f"engine steps ({s['steps_leapt']:,} leapt), {s['wall_s']:.1f} s wall"
+            + (
+                ""
+                if sample is None
+                else f"; sampled: {sample['simulated_replicas']} of {sample['replicas']} "
+                "replicas simulated, totals scaled to all of them"
+            )
         )
     return "\n".join(lines)
 

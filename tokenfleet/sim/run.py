@@ -1,7 +1,8 @@
 """Runs a SimConfig: the cost model, the workload, one Simulation per fleet policy.
 
 Every policy sees the same arrivals and jobs (made from the same seed, or the same
-trace), so their results differ by the policy alone.
+trace), so their results differ by the policy alone. With `sample_replicas` a policy runs
+as a sample of its replicas given that share of the traffic (sampling.py).
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
 
+from tokenfleet.fleet.autoscaler import ScaleDecision
 from tokenfleet.policy.harvest import StepCost
 from tokenfleet.policy.step_model import LinearStepCost
 from tokenfleet.sim.config import SimConfig
@@ -21,6 +23,7 @@ from tokenfleet.sim.dispatch import JobState
 from tokenfleet.sim.fleet import JobSubmission, SimSettings, Simulation
 from tokenfleet.sim.metrics import Metrics
 from tokenfleet.sim.pool import FleetPolicy
+from tokenfleet.sim.sampling import Sampling
 from tokenfleet.sim.trace import read_trace
 from tokenfleet.sim.workload import INTERACTIVE, Arrival, batch_requests, interactive_arrivals
 
@@ -31,6 +34,10 @@ class PolicyResult:
     metrics: Metrics
     jobs: list[JobState]
     wall_s: float
+    # Each autoscaled pool's decisions, by pool name, window by window.
+    decisions: dict[str, list[ScaleDecision]] = field(default_factory=dict)
+    # The sample run for `policy` (metrics and jobs are the sample's), None when in full.
+    sampling: Sampling | None = None
 
 
 def cost_models(config: SimConfig) -> tuple[StepCost, StepCost]:
@@ -49,16 +56,21 @@ def cost_models(config: SimConfig) -> tuple[StepCost, StepCost]:
     return cost, LinearStepCost.from_dict(model.coefficients)
 
 
-def interactive_stream(config: SimConfig) -> Iterator[Arrival]:
+def interactive_stream(config: SimConfig, sampling: Sampling | None = None) -> Iterator[Arrival]:
+    """The interactive arrivals, or the sample's share of them."""
     if config.trace is not None:
-        return (a for a, _ in read_trace(config.trace) if a.kind == INTERACTIVE)
-    return interactive_arrivals(config.interactive, config.duration_s, config.seed)
+        arrivals = (a for a, _ in read_trace(config.trace) if a.kind == INTERACTIVE)
+        return arrivals if sampling is None else sampling.thin(arrivals, config.seed)
+    workload = config.interactive if sampling is None else sampling.interactive(config.interactive)
+    return interactive_arrivals(workload, config.duration_s, config.seed)
 
 
-def job_submissions(config: SimConfig) -> list[JobSubmission]:
+def job_submissions(config: SimConfig, sampling: Sampling | None = None) -> list[JobSubmission]:
+    """The batch jobs, or the sample's share of each one's requests."""
     if config.trace is not None:
-        return _trace_jobs(config)
-    sizes = [job.num_requests for job in config.batch_jobs]
+        return _trace_jobs(config, sampling)
+    jobs = [job if sampling is None else sampling.job(job) for job in config.batch_jobs]
+    sizes = [job.num_requests for job in jobs]
     firsts = [0, *accumulate(sizes)]
     return [
         JobSubmission(
@@ -69,12 +81,13 @@ def job_submissions(config: SimConfig) -> list[JobSubmission]:
             job.lengths.output_median,
             partial(batch_requests, job, i, firsts[i], config.seed),
         )
-        for i, job in enumerate(config.batch_jobs)
+        for i, job in enumerate(jobs)
     ]
 
 
-def _trace_jobs(config: SimConfig) -> list[JobSubmission]:
-    """The trace's batch lines, one job per `job` value, submitted at its first line."""
+def _trace_jobs(config: SimConfig, sampling: Sampling | None) -> list[JobSubmission]:
+    """The trace's batch lines, one job per `job` value, submitted at its first line (a
+    sample: the first of each job's lines, its share of them)."""
     assert config.trace is not None
     jobs: dict[int, list[Arrival]] = {}
     deadlines: dict[int, float] = {}
@@ -82,6 +95,8 @@ def _trace_jobs(config: SimConfig) -> list[JobSubmission]:
         if arrival.kind != INTERACTIVE:
             jobs.setdefault(arrival.job_id, []).append(arrival)
             deadlines.setdefault(arrival.job_id, deadline_s or 0.0)
+    if sampling is not None:
+        jobs = {j: requests[: sampling.job_requests(len(requests))] for j, requests in jobs.items()}
     return [
         JobSubmission(
             job_id,
@@ -98,6 +113,7 @@ def _trace_jobs(config: SimConfig) -> list[JobSubmission]:
 def simulate(
     config: SimConfig, policy: FleetPolicy, progress: Callable[[float], None] | None = None
 ) -> PolicyResult:
+    """Run `policy` over the config's traffic (a sample of it with `sample_replicas`)."""
     cost, model = cost_models(config)
     settings = SimSettings(
         replica=config.replica,
@@ -107,9 +123,17 @@ def simulate(
         tensor_parallel=config.deployment.tensor_parallel,
         sample_s=config.sample_s,
     )
+    sampling = config.sampling(policy)
     sim = Simulation(
-        policy, settings, cost, model, interactive_stream(config), job_submissions(config)
+        policy if sampling is None else sampling.policy(policy),
+        settings,
+        cost,
+        model,
+        interactive_stream(config, sampling),
+        job_submissions(config, sampling),
     )
     began = time.perf_counter()
     metrics = sim.run(progress)
-    return PolicyResult(policy, metrics, sim.jobs, time.perf_counter() - began)
+    wall_s = time.perf_counter() - began
+    decisions = {p.spec.name: list(p.scaler.history) for p in sim.pools if p.scaler is not None}
+    return PolicyResult(policy, metrics, sim.jobs, wall_s, decisions, sampling)
