@@ -228,8 +228,22 @@ class FleetConfig:
     # fleet/router.py's policy: "prefix" (affinity and load), "least_loaded", "round_robin".
     router: str = "prefix"
     drain_grace_s: float = 30.0
+    # cluster/health.py: a replica silent for `fence_timeout_s` (at least the replica
+    # timeout) is fenced and replaced; one whose steps average above `slow_replica_factor`
+    # x the others' median gets no new work (None: off).
+    fence_timeout_s: float = 10.0
+    slow_replica_factor: float | None = 2.0
+    # `--autoscale MIN:MAX` (cluster/autoscaling.py runs fleet/autoscaler.py's policy once
+    # for the fleet): its window and cool-downs, and the calm windows before a scale-down.
+    autoscale: tuple[int, int] | None = None
+    autoscale_window_s: float = 60.0
+    autoscale_up_cooldown_s: float = 60.0
+    autoscale_down_cooldown_s: float = 300.0
+    autoscale_calm_windows: int = 5
 
     def __post_init__(self) -> None:
+        if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:
+            raise ValueError(f"autoscale wants 1 <= MIN <= MAX, got {self.autoscale}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         if self.max_restarts < 0 or self.max_moves < 0:
@@ -240,3 +254,7 @@ class FleetConfig:
             raise ValueError("gateway_timeout_s and move_wait_s must be positive")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be at least 0, got {self.drain_grace_s}")
+        if self.fence_timeout_s < self.replica_timeout_s:
+            raise ValueError("the fence timeout must be at least the replica timeout")
+        if self.slow_replica_factor is not None and self.slow_replica_factor <= 1:
+            raise ValueError("the slow replica factor must be over 1 (or None: off)")

@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tokenfleet import envs
@@ -148,10 +149,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _fleet(args: argparse.Namespace) -> FleetConfig | None:
-    if args.replicas is None and args.ray_address is None:
+    if args.replicas is None and args.ray_address is None and args.autoscale is None:
         return None
-    return FleetConfig(
-        replicas=args.replicas or 1,
+    up_cooldown_s, down_cooldown_s = args.autoscale_cooldown
+    fleet = FleetConfig(
+        replicas=args.replicas or (args.autoscale[0] if args.autoscale else 1),
         ray_address=args.ray_address,
         max_restarts=args.replica_restarts,
         replica_timeout_s=args.replica_timeout,
@@ -159,7 +161,53 @@ def _fleet(args: argparse.Namespace) -> FleetConfig | None:
         threads_per_replica=args.num_threads,
         router=args.router.replace("-", "_"),
         drain_grace_s=args.drain_grace,
+        fence_timeout_s=args.fence_timeout,
+        slow_replica_factor=args.slow_replica_factor or None,
+        autoscale=args.autoscale,
+        autoscale_window_s=args.autoscale_window,
+        autoscale_up_cooldown_s=up_cooldown_s,
+        autoscale_down_cooldown_s=down_cooldown_s,
+        autoscale_calm_windows=args.autoscale_calm_windows,
     )
+    if fleet.autoscale is not None:
+        from tokenfleet.cluster.autoscaling import autoscaler_config
+
+        autoscaler_config(fleet)  # its settings checked now (a ValueError: exit 2)
+    return fleet
+
+
+def _autoscale(text: str) -> tuple[int, int]:
+    from tokenfleet.fleet.autoscaler import parse_autoscale
+
+    try:
+        return parse_autoscale(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"wants a number, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+        return value
+
+    return parse
+
+
+def _cooldowns(text: str) -> tuple[float, float]:
+    try:
+        up, down = (float(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"wants UP:DOWN seconds (e.g. 60:300), got {text!r}"
+        ) from None
+    if up < 0 or down < 0:
+        raise argparse.ArgumentTypeError(f"cool-downs must be at least 0 s, got {text!r}")
+    return up, down
 
 
 def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -419,6 +467,21 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         "(default %(default)s)",
     )
     add(
+        "--fence-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without a beat before a replica is fenced (nothing it sends is taken "
+        "again) and Ray is asked to replace it; at least --replica-timeout "
+        "(default %(default)s)",
+    )
+    add(
+        "--slow-replica-factor",
+        type=float,
+        default=2.0,
+        help="a replica whose average step time runs above this times the other replicas' "
+        "median gets no new work until it recovers; 0 turns it off (default %(default)s)",
+    )
+    add(
         "--router",
         choices=("prefix", "least-loaded", "round-robin"),
         default="prefix",
@@ -431,6 +494,29 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         default=30.0,
         help="seconds a replica scaled away lets its requests end before they move to "
         "others (default %(default)s)",
+    )
+    add(
+        "--autoscale",
+        type=_autoscale,
+        metavar="MIN:MAX",
+        help="one autoscaler for the fleet keeps it within MIN to MAX replicas from its SLO "
+        "attainment, queued prefill and batch deadlines (docs/fleet.md); off by default",
+    )
+    add(
+        "--autoscale-window", type=_positive(float), default=60.0, help="its window, s (default 60)"
+    )
+    add(
+        "--autoscale-cooldown",
+        type=_cooldowns,
+        default=(60.0, 300.0),
+        metavar="UP:DOWN",
+        help="seconds after a change before a scale-up, a scale-down (default 60:300)",
+    )
+    add(
+        "--autoscale-calm-windows",
+        type=_positive(int),
+        default=5,
+        help="calm windows in a row before a scale-down (default %(default)s)",
     )
     add(
         "--max-moves",

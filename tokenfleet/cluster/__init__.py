@@ -9,6 +9,7 @@
     client.py     FleetClient, the gateway's ReplicaClient for the whole fleet: routing,
                   and moving a dead replica's requests to another
     scaling.py    scaling by hand: replicas added, and drained before they stop
+    health.py     slow replicas (no new work) and silent ones (moved, then fenced)
 
 Ray owns placement, restarts and node membership; tokens flow by the engine's own
 one-message-per-step protocol over ZMQ, never as a Ray call per token.

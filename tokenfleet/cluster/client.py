@@ -10,14 +10,18 @@ is engine/client.py's AsyncEngineClient; the gateway sees only their shared inte
   requests to the ready replica with the fewest of this gateway's batch requests.
 - **Admission**: `predict_ttft` is the best replica's prediction; the gateway refuses
   (529 / 429) only when no replica meets the target.
-- **Failover**: a replica silent for `replica_timeout_s` (its bridge beats every 0.2 s
-  from a thread of its own, so a long step is not a silence), or that Ray reports dead or
+- **Failover**: a replica whose connection closed, or that Ray reports dead or
   restarting, is dead to this gateway: its incarnation is fenced, and each of its requests
   moves to another replica as a new attempt that carries the tokens already received
   (EngineCoreRequest.output_token_ids): the caller's stream goes on without a repeated or
   missing token. The engine request id is `<id>/<attempt>`, so outputs of an older
   attempt (a replica that speaks late) are dropped. A request moved more than `max_moves`
   times, or with no replica to move to for `move_wait_s`, ends with EngineDeadError.
+- **Silence** (its bridge beats every 0.2 s from a thread of its own, so a long step is
+  not one): past `replica_timeout_s` its requests move the same way and it gets no new
+  work, but it serves again if it speaks; past `fence_timeout_s` it is fenced (its
+  incarnation too) and Ray is asked to replace it: Ray never notices a frozen actor.
+- **Slow replicas** (health.py): no new work while another replica is ready.
 - **Scaling**: scaling.py's Scaler adds replicas and drains those it removes; a drained
   replica's requests move as a dead one's do, without counting against `max_moves`.
 
@@ -42,7 +46,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenfleet.cluster.links import ReplicaLink, merge_stats
+from tokenfleet.cluster.health import FleetHealth, SlowRule
+from tokenfleet.cluster.links import DOWN, ReplicaLink, merge_stats
 from tokenfleet.cluster.placement import ReplicaDescription
 from tokenfleet.cluster.scaling import Scaler
 from tokenfleet.cluster.wire import (
@@ -69,6 +74,7 @@ logger = logging.getLogger(__name__)
 # A replica whose connection closed and has not connected again this long after is dead
 # (a killed process's port refuses at once; a network blip reconnects within it).
 DISCONNECT_GRACE_S = 0.5
+DEFAULT_FENCE_TIMEOUT_S = 10.0
 
 
 class Directory(Protocol):
@@ -137,13 +143,25 @@ class FleetClient:
         host: str = "127.0.0.1",
         ttft_target_s: float = 2.0,
         drain_grace_s: float = 30.0,
+        fence_timeout_s: float | None = None,
+        slow_rule: SlowRule | None = None,
     ) -> None:
-        """`host`: the address replicas reach this gateway at (its node's)."""
+        """`host`: the address replicas reach this gateway at (its node's);
+        `fence_timeout_s` None: 10 s, or the replica timeout if longer."""
+        if fence_timeout_s is None:
+            fence_timeout_s = max(DEFAULT_FENCE_TIMEOUT_S, replica_timeout_s)
+        if fence_timeout_s < replica_timeout_s:
+            raise ValueError(
+                f"the fence timeout ({fence_timeout_s} s) must be at least the replica "
+                f"timeout ({replica_timeout_s} s)"
+            )
         self.config = config
         self.directory = directory
         self.router = Router(router_config or RouterConfig(), config.cache.block_size)
         self.ttft = ReplicaTTFT.of(config, ttft_target_s)
         self.replica_timeout_s = replica_timeout_s
+        self.fence_timeout_s = fence_timeout_s
+        self.health = FleetHealth(slow_rule or SlowRule())
         self.discover_interval_s = discover_interval_s
         self.max_moves = max_moves
         self.move_wait_s = move_wait_s
@@ -235,7 +253,14 @@ class FleetClient:
         return Verdict(best, "fleet", max(1, math.ceil(excess)))
 
     def describe(self) -> list[dict[str, object]]:
-        return [self.links[i].describe() for i in sorted(self.links)]
+        return [self.links[i].describe() | self.health.describe(i) for i in sorted(self.links)]
+
+    def describe_health(self) -> dict[str, object]:
+        """The fleet-wide part of GET /admin/fleet on slow and silent replicas."""
+        return self.health.describe_fleet() | {
+            "replica_timeout_s": self.replica_timeout_s,
+            "fence_timeout_s": self.fence_timeout_s,
+        }
 
     async def submit(
         self, request: EngineCoreRequest, num_pending: int | None = None
@@ -315,7 +340,10 @@ class FleetClient:
         return moving
 
     def _ready_links(self) -> list[ReplicaLink]:
-        return [link for link in self.links.values() if link.routable]
+        """The replicas new work may go to: slow ones only when no other is ready (a slow
+        fleet still serves)."""
+        ready = [link for link in self.links.values() if link.routable]
+        return [link for link in ready if not link.slow] or ready
 
     def _choose(self, moving: _Moving) -> ReplicaLink | None:
         links = self._ready_links()
@@ -350,6 +378,7 @@ class FleetClient:
             moving.replica_id = link.replica_id
             moving.first_seen = bool(moving.received)
             link.requests.add(moving.request.req_id)
+            link.num_routed += 1
             if not moving.interactive:
                 link.num_batch += 1
             message = AddRequests([self._attempt(moving)], num_pending)
@@ -458,7 +487,7 @@ class FleetClient:
             return
         link = self.links.get(replica_id) or self.add_link(replica_id)
         if isinstance(found, str):
-            if found in ("dead", "restarting") and link.state != "dead":
+            if found in ("dead", "restarting") and link.state not in DOWN:
                 self._replica_dead(link, f"Ray reports it {found}")
             return
         if found.incarnation in link.fenced:
@@ -483,28 +512,68 @@ class FleetClient:
         link.incarnation = found.incarnation
         link.address, link.node, link.pid = found.address, found.node, found.pid
         link.state, link.info, link.beat = "starting", None, None
+        link.silent_since, link.slow = None, False
+        self.health.forget(replica_id)
         link.connect(self._send_ctx, self._identity)
         link.send(self._ping)
         logger.info("replica %d incarnation %d at %s", replica_id, found.incarnation, link.address)
         self.scaler.follow(link, found.draining)
 
-    def _replica_dead(self, link: ReplicaLink, why: str) -> None:
+    def _replica_dead(self, link: ReplicaLink, why: str, state: str = "dead") -> None:
+        """Dead (or fenced) to this gateway: its incarnation fenced, its requests moved."""
         if link.incarnation is not None:
             link.fenced.add(link.incarnation)
         was = link.state
-        link.state, link.incarnation, link.stats = "dead", None, None
+        link.state, link.incarnation, link.stats = state, None, None
+        link.silent_since, link.slow = None, False
+        self.health.forget(link.replica_id)
         link.close()
-        if was != "dead":
-            logger.error("replica %d is dead to this gateway: %s", link.replica_id, why)
+        if was not in DOWN:
+            logger.error("replica %d is %s to this gateway: %s", link.replica_id, state, why)
         if not self.is_healthy():
             self._ready.clear()
+        self._move_off(link, why)
+        self.scaler.died(link)
+
+    def _move_off(self, link: ReplicaLink, why: str) -> None:
         for req_id in list(link.requests):
             moving = self._requests.get(req_id)
             if moving is not None:
                 self._move(moving, f"replica {link.replica_id}: {why}")
         link.requests.clear()
         link.num_batch = 0
-        self.scaler.died(link)
+
+    def _silent(self, link: ReplicaLink, silence: float, now: float) -> None:
+        """Silent past the replica timeout: its requests move, no new work; not fenced
+        yet (a replica that speaks again serves again)."""
+        link.silent_since = now
+        logger.warning(
+            "replica %d silent for %.1f s: its %d requests move, no new work until it speaks",
+            link.replica_id,
+            silence,
+            len(link.requests),
+        )
+        if not self.is_healthy():
+            self._ready.clear()
+        self._move_off(link, f"silent for {silence:.1f} s")
+
+    def _fence(self, link: ReplicaLink, silence: float) -> None:
+        """Silent past the fence timeout (frozen, cut off): nothing more is taken from
+        this incarnation, and Ray, which never notices a frozen actor, is asked to
+        replace it."""
+        incarnation = link.incarnation
+        self._replica_dead(link, f"silent for {silence:.1f} s", state="fenced")
+        self.health.num_fenced += 1
+        if incarnation is not None and incarnation not in link.restart_asked:
+            link.restart_asked.add(incarnation)
+            logger.warning("replica %d: fenced, asking Ray to replace it", link.replica_id)
+            self.spawn(self._replace(link.replica_id))
+
+    async def _replace(self, replica_id: int) -> None:
+        try:
+            await asyncio.to_thread(self.directory.restart, replica_id)
+        except Exception:  # logged; the next fence (a new incarnation's) asks again
+            logger.exception("replica %d could not be replaced", replica_id)
 
     async def _watchdog(self) -> None:
         ping = self._ping
@@ -537,7 +606,7 @@ class FleetClient:
                 if link.beat is None and link.state == "starting":
                     link.send(ping)
         for link in list(self.links.values()):
-            if link.socket is None or link.state == "dead":
+            if link.socket is None or link.state in DOWN:
                 continue
             link.check_connection(now)
             silence = link.silent_for(now)
@@ -553,8 +622,10 @@ class FleetClient:
                 # judged by the start-up timeout.
                 if silence > self.startup_timeout_s:
                     self._replica_dead(link, f"silent for {silence:.0f} s while starting")
-            elif silence > self.replica_timeout_s:
-                self._replica_dead(link, f"silent for {silence:.1f} s")
+            elif silence > self.fence_timeout_s:
+                self._fence(link, silence)
+            elif silence > self.replica_timeout_s and link.silent_since is None:
+                self._silent(link, silence, now)
         self.scaler.tick(now)
         self._unpark()
         return next_ping
@@ -570,12 +641,27 @@ class FleetClient:
     def _received(self, message: FleetMessage) -> None:
         link = self.links.get(message.replica_id)
         if link is None or message.incarnation != link.incarnation:
-            return  # fenced: an incarnation this gateway no longer talks to
+            # Fenced: an incarnation this gateway no longer talks to.
+            if link is not None and message.incarnation in link.fenced:
+                self.health.num_dropped += 1
+            return
         now = link.last_heard = time.monotonic()
+        if link.silent_since is not None:
+            logger.warning(
+                "replica %d speaks again after %.1f s silent: it serves again",
+                link.replica_id,
+                now - link.silent_since,
+            )
+            link.silent_since = None
+            self.health.forget(link.replica_id)  # measured anew (the bridge drops the stall)
+            link.slow = False
+            if link.state == "ready":
+                self.mark_ready(link)
         if isinstance(message, ReplicaBeat):
             link.beat = message
             if message.stats is not None:
                 self._reported(link, message.stats)
+            self._windowed(link, message.step_ms_window)
             link.info = message.info
             if message.info is not None and link.state == "starting":
                 self.mark_ready(link)
@@ -590,6 +676,20 @@ class FleetClient:
                 error = InvalidRequestError(message.rejected.message, param=message.rejected.param)
                 moving.queue.put_nowait(error)
                 self._forget(moving)
+
+    def _windowed(self, link: ReplicaLink, step_ms: float | None) -> None:
+        """A beat: one window of the slow rule."""
+        became = self.health.window(link.replica_id, step_ms)
+        link.slow = self.health.is_slow(link.replica_id)
+        if became is not None:
+            one = self.health.replicas.get(link.replica_id)
+            logger.warning(
+                "replica %d %s: step %s ms on average, the others' median %s ms",
+                link.replica_id,
+                "is slow: no new work" if became else "is no longer slow",
+                f"{one.average_ms:.1f}" if one and one.average_ms is not None else "-",
+                f"{one.median_ms:.1f}" if one and one.median_ms is not None else "-",
+            )
 
     def _reported(self, link: ReplicaLink, stats: SchedulerStats) -> None:
         link.stats = stats
@@ -608,8 +708,10 @@ class FleetClient:
 
     def _output(self, link: ReplicaLink, output: EngineCoreOutput, now: float) -> None:
         moving = self._current(output.req_id, link)
-        if moving is None:
-            return  # an older attempt, or a request no longer wanted
+        if moving is None:  # an older attempt, or a request no longer wanted
+            if output.req_id.rpartition("/")[0] in self._requests:
+                self.health.num_dropped += 1  # it moved: the old attempt speaks late
+            return
         if not moving.first_seen and (output.new_token_ids or output.finished):
             moving.first_seen = True
             if moving.interactive:

@@ -3,10 +3,15 @@ only sends: replies come to the gateway's one PULL socket, wire.py), the replica
 beat, and its state as this gateway sees it.
 
 States: "starting" (connected, model loading), "ready" (routable), "draining" (scaled
-away: no new work, its requests end or move, then it is gone: scaling.py), "dead" (silent
-past the timeout, or Ray says so; its incarnation is fenced: nothing more from it is taken,
-and a replica comes back only as a new incarnation). The capacity issue adds "slow" and
-"fenced" with behaviour of their own.
+away: no new work, its requests end or move, then it is gone: scaling.py), "dead" (its
+connection closed, or Ray says it is down), "fenced" (silent past the fence timeout:
+frozen or cut off, and Ray asked to replace it). Dead or fenced, its incarnation is fenced:
+nothing more from it is taken, and a replica comes back only as a new incarnation.
+
+Two conditions of a ready replica are flags beside the state (the scaler counts it as
+ready meanwhile), shown as its state in GET /admin/fleet: "silent" (nothing heard for the
+replica timeout: its requests moved, no new work; it serves again if it speaks before the
+fence timeout) and "slow" (health.py: no new work while another replica is ready).
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from tokenfleet.cluster.wire import ReplicaBeat
 from tokenfleet.core.engine_api import SchedulerStats
 from tokenfleet.engine.wire import EngineReady
 
-STATES = ("starting", "ready", "draining", "slow", "fenced", "dead")
+STATES = ("starting", "ready", "draining", "silent", "slow", "fenced", "dead")
+DOWN = ("dead", "fenced")  # its incarnation fenced; back only as a new one
 
 
 @dataclass
@@ -52,10 +58,21 @@ class ReplicaLink:
     # connects again; None while connected.
     disconnected_at: float | None = None
     monitor: zmq.Socket[bytes] | None = None
+    silent_since: float | None = None  # silent past the replica timeout, since then
+    slow: bool = False  # health.py's verdict
+    num_routed: int = 0  # requests (and moved attempts) this gateway sent it
 
     @property
     def routable(self) -> bool:
-        return self.state == "ready" and self.socket is not None
+        return self.state == "ready" and self.socket is not None and self.silent_since is None
+
+    @property
+    def shown_state(self) -> str:
+        if self.state == "ready" and self.silent_since is not None:
+            return "silent"
+        if self.state == "ready" and self.slow:
+            return "slow"
+        return self.state
 
     def connect(self, ctx: zmq.Context[zmq.Socket[bytes]], identity: bytes) -> None:
         self.close()
@@ -130,7 +147,7 @@ class ReplicaLink:
             "id": self.replica_id,
             "node": self.node,
             "pid": self.pid,
-            "state": self.state,
+            "state": self.shown_state,
             "incarnation": self.incarnation,
             "address": self.address,
             "running": stats.num_running if stats is not None else 0,
@@ -139,6 +156,7 @@ class ReplicaLink:
             "step_ms_p50": beat.step_ms_p50 if beat is not None else None,
             "restarts": self.restarts,
             "requests_from_this_gateway": len(self.requests),
+            "routed": self.num_routed,
         }
 
 

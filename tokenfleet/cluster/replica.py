@@ -45,6 +45,7 @@ from tokenfleet.engine.wire import (
     Shutdown,
     StepOutputs,
 )
+from tokenfleet.runner.fixed_runner import FixedTokenRunner
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,10 @@ class _AddIds(msgspec.Struct, tag="add"):
 
 
 _GatewayInput = _AddIds | AbortRequests | GatewayPing | Shutdown
+
+# A beat this late means the bridge thread itself did not run (a frozen process): the
+# step intervals across it are not step times (the slow rule's window, health.py).
+STALL_S = 1.0
 
 
 class ReplicaBridge:
@@ -93,6 +98,8 @@ class ReplicaBridge:
         self._replies: dict[bytes, zmq.Socket[bytes]] = {}  # gateway -> a PUSH to it
         self._steps: deque[float] = deque(maxlen=64)  # recent intervals between busy steps
         self._last_step: float | None = None
+        self._window: list[float] = []  # busy-step intervals since the last beat
+        self._last_beat: float | None = None
         self._stopping = threading.Event()
         self.engine_error: BaseException | None = None
         # Set by the gateway that scales this replica away: gateways read it (describe) and
@@ -211,6 +218,7 @@ class ReplicaBridge:
         if step.outputs:
             if self._last_step is not None:
                 self._steps.append(now - self._last_step)
+                self._window.append(now - self._last_step)
             self._last_step = now
         else:
             self._last_step = None  # idle: the next step's interval is not a step's time
@@ -251,7 +259,16 @@ class ReplicaBridge:
         counts: dict[bytes, int] = {}
         for gateway in self._owner.values():
             counts[gateway] = counts.get(gateway, 0) + 1
+        if self._last_beat is not None and now - self._last_beat > STALL_S:
+            # This thread did not run (the process frozen, SIGSTOP): the interval across
+            # the stall is not a step's time, nor is the step in progress.
+            logger.warning("the bridge was stalled for %.1f s", now - self._last_beat)
+            self._window.clear()
+            self._last_step = None
+        self._last_beat = now
         step_ms = statistics.median(self._steps) * 1000 if self._steps else None
+        window_ms = statistics.fmean(self._window) * 1000 if self._window else None
+        self._window = []
         running_s = now - self._last_step if self._last_step is not None and self._owner else 0.0
         for gateway in self._replies:
             beat = ReplicaBeat(
@@ -262,6 +279,7 @@ class ReplicaBridge:
                 step_ms,
                 running_s,
                 counts.get(gateway, 0),
+                window_ms,
             )
             self._send(gateway, encoder.encode(beat))
 
@@ -317,6 +335,11 @@ class ReplicaActor:
 
     def drain(self, draining: bool) -> None:
         self.bridge.draining = draining
+
+    def set_extra_step_s_for_tests(self, seconds: float) -> None:
+        """Tests only: every step of this replica's fixed runner takes `seconds` longer
+        (a replica made slow on purpose; 0 restores it). The model runner ignores it."""
+        FixedTokenRunner.extra_step_s_for_tests = seconds
 
     def stop(self) -> None:
         self.bridge.stop()

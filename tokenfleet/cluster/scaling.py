@@ -12,7 +12,8 @@ Scaler (the client routes and moves requests; this decides which replicas come a
       │        death (a new attempt, with the tokens received: what the replica still sends
       ▼        of the old attempt is dropped)
     gone       the gateway that asked stops it (Directory.remove) once its reports show no
-               request of any gateway left, or the grace plus SETTLE_S is over
+               request of any gateway left (and not before FOLLOWED_S: every gateway has
+               read the flag), or the grace plus SETTLE_S is over
 
 A draining replica that dies is gone at once (its requests move as on any death). A
 moved drain does not count against a request's `max_moves`: nothing went wrong. The time
@@ -42,6 +43,10 @@ MAX_REPLICAS = 1024
 # After the grace: time for other gateways (which learn of the drain a discovery round
 # later) to move their requests, and for the aborts to reach the replica.
 SETTLE_S = 5.0
+# A drain lasts this long at least: other gateways read the flag within a discovery round
+# (about 0.5 s) and follow the drain; one that saw the replica die first would keep it as a
+# dead replica rather than gone.
+FOLLOWED_S = 2.0
 COUNTED = ("starting", "ready")  # the states that make up the fleet's size
 NUM_ENDED_KEPT = 32
 
@@ -200,6 +205,7 @@ class Scaler:
                 and stats is not None
                 and stats.num_running + stats.num_waiting == 0
             )
+            idle = idle and now - drain.started_at >= FOLLOWED_S
             if idle or now - drain.started_at >= drain.grace_s + SETTLE_S:
                 self._end(drain, link, "stopped")
 

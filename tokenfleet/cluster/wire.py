@@ -42,6 +42,9 @@ class ReplicaBeat(msgspec.Struct, tag="beat"):
     step_running_s: float
     # The bridge's count of requests it holds per gateway (this one's).
     num_requests: int
+    # The mean interval between busy steps since the previous beat, None without one: the
+    # slow rule's window (health.py). Last, with a default: an older replica omits it.
+    step_ms_window: float | None = None
 
 
 class ReplicaOutputs(msgspec.Struct, tag="outputs"):

@@ -8,11 +8,16 @@ can be made to take time, as a forward pass would, without holding the GIL (a sl
 request's one decode token (a prompt's, or a chunk's), so that prefix-cache hits save
 time as they would on an accelerator (the router benchmark, bench/fleet_router.py).
 `tokenfleet serve --runner fixed` selects it; never use it to serve callers.
+
+`extra_step_s_for_tests` slows every fixed runner of the process (a replica made slow on
+purpose, cluster/replica.py's ReplicaActor.set_extra_step_s_for_tests): a test's knob, read
+each step, 0 unless a test sets it.
 """
 
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 from tokenfleet.core.runner_output import ModelRunnerOutput
 from tokenfleet.core.scheduler_output import SchedulerOutput
@@ -22,6 +27,8 @@ FIXED_NUM_BLOCKS = 4096
 
 
 class FixedTokenRunner:
+    extra_step_s_for_tests: ClassVar[float] = 0.0
+
     def __init__(
         self,
         config: ModelConfig,
@@ -52,7 +59,8 @@ class FixedTokenRunner:
 
     def run(self, so: SchedulerOutput, masks: object = None) -> ModelRunnerOutput:
         """The step held as set; `masks` never come (no constraint reaches this runner)."""
-        if so.scheduled and (self.step_s or self.prefill_s_per_token):
+        extra = FixedTokenRunner.extra_step_s_for_tests
+        if so.scheduled and (self.step_s or self.prefill_s_per_token or extra):
             prefill = sum(max(0, s.num_tokens - 1) for s in so.scheduled)
-            time.sleep(self.step_s + self.prefill_s_per_token * prefill)
+            time.sleep(self.step_s + self.prefill_s_per_token * prefill + extra)
         return ModelRunnerOutput({s.req_id: self.token_id for s in so.scheduled if s.sample})

@@ -1,7 +1,9 @@
 """The operator's fleet routes (the operator key guards /admin/ once any key is set, gate.py):
 
-    GET  /admin/fleet          the replicas as this gateway sees them, moves, drains
-    POST /admin/fleet/scale    {"replicas": N}: aim for N replicas (202, with what changes)
+    GET  /admin/fleet          the replicas as this gateway sees them, moves, drains, and
+                               with --autoscale the autoscaler (bounds, last decisions)
+    POST /admin/fleet/scale    {"replicas": N}: aim for N replicas (202, with what changes);
+                               with --autoscale, N within its bounds, told to it first
 
 Scaling needs a fleet (`serve --replicas` or `--ray-address`): one engine process answers
 400.
@@ -47,6 +49,10 @@ async def fleet(request: Request) -> JSONResponse:
     fleet_client = fleet_of(client)
     if fleet_client is not None:
         body.update(fleet_client.scaler.describe())
+        body.update(fleet_client.describe_health())
+    autoscaling = getattr(request.app.state, "autoscaling", None)
+    if autoscaling is not None:
+        body["autoscaler"] = await autoscaling.describe()
     return JSONResponse(body)
 
 
@@ -57,8 +63,12 @@ async def scale(request: Request) -> JSONResponse:
     if fleet_client is None:
         message = "scaling needs a fleet of replicas (serve --replicas or --ray-address)"
         raise APIError(400, "invalid_request", message)
+    autoscaling = getattr(request.app.state, "autoscaling", None)
     try:
-        plan = fleet_client.scale(body.replicas)
+        if autoscaling is not None:  # the autoscaler records it (cool-downs count from it)
+            plan = await autoscaling.manual(body.replicas)
+        else:
+            plan = fleet_client.scale(body.replicas)
     except InvalidRequestError as exc:
         raise APIError(400, "invalid_request", exc.message, param=exc.param) from exc
     return JSONResponse(plan, status_code=202)

@@ -163,6 +163,7 @@ def create_app(config: ServeConfig) -> FastAPI:
             client.replica_stats,
             lambda: client.num_moves,
             fleet_client.scaler if fleet_client is not None else None,
+            fleet_client.health if fleet_client is not None else None,
         )
         app.state.client = client
         app.state.metrics = metrics
@@ -175,6 +176,14 @@ def create_app(config: ServeConfig) -> FastAPI:
         owners = Owners(config.key_groups)
         batches = await _start_batches(config.batch, app.state.service, client, metrics, owners)
         app.state.batches = batches
+        app.state.autoscaling = None
+        if fleet_client is not None and config.fleet is not None and config.fleet.autoscale:
+            from tokenfleet.cluster.autoscaling import fleet_autoscaling
+            from tokenfleet.server.autoscale import GatewayWindow
+
+            gather = GatewayWindow(fleet_client, app.state.service.window, batches.store)
+            app.state.autoscaling = fleet_autoscaling(fleet_client, config.fleet, gather)
+            app.state.autoscaling.start()
         shared_limits = None
         if config.limits_shared:  # one allowance per key group for every gateway on the store
             store = batches.dispatcher.store
@@ -193,6 +202,8 @@ def create_app(config: ServeConfig) -> FastAPI:
         try:
             yield
         finally:
+            if app.state.autoscaling is not None:
+                await app.state.autoscaling.stop()
             app.state.gate.offloader.shutdown()
             if shared_limits is not None:
                 await shared_limits.close()
@@ -312,6 +323,7 @@ def _replica_client(config: ServeConfig, engine: EngineConfig) -> ReplicaClient:
     if config.fleet is None:
         return AsyncEngineClient(engine, heartbeat_timeout_s=config.heartbeat_timeout_s)
     from tokenfleet.cluster.client import FleetClient
+    from tokenfleet.cluster.health import SlowRule
     from tokenfleet.cluster.placement import RayFleet
 
     fleet = config.fleet
@@ -325,6 +337,8 @@ def _replica_client(config: ServeConfig, engine: EngineConfig) -> ReplicaClient:
         max_moves=fleet.max_moves,
         move_wait_s=fleet.move_wait_s,
         drain_grace_s=fleet.drain_grace_s,
+        fence_timeout_s=fleet.fence_timeout_s,
+        slow_rule=SlowRule(fleet.slow_replica_factor),
         ttft_target_s=config.ttft_target_s,
         gateway_id=f"{config.batch.gateway_id}-{uuid.uuid4().hex[:8]}",
     )

@@ -146,6 +146,19 @@ class Drains(Protocol):
         ...
 
 
+class Health(Protocol):
+    """The fleet's slow and fenced replicas (cluster/health.py's FleetHealth)."""
+
+    @property
+    def num_slow(self) -> int: ...
+
+    @property
+    def num_fenced(self) -> int: ...
+
+    @property
+    def num_dropped(self) -> int: ...
+
+
 class _ReplicaCollector(Collector):
     """Per-replica series, labelled `replica` (its id), from each one's latest message."""
 
@@ -154,10 +167,12 @@ class _ReplicaCollector(Collector):
         replicas: Callable[[], dict[str, SchedulerStats]],
         moves: Callable[[], int],
         drains: Drains | None,
+        health: Health | None = None,
     ) -> None:
         self._replicas = replicas
         self._moves = moves
         self._drains = drains
+        self._health = health
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily]:
         series: dict[str, tuple[str, Callable[[SchedulerStats], float]]] = {
@@ -215,6 +230,24 @@ class _ReplicaCollector(Collector):
                 "replicas draining now",
                 value=len(drains.drains),
             )
+        health = self._health
+        if health is not None:
+            yield GaugeMetricFamily(
+                "tokenfleet_fleet_replicas_slow",
+                "replicas slow now (no new work: their steps above the others' median)",
+                value=health.num_slow,
+            )
+            yield CounterMetricFamily(
+                "tokenfleet_fleet_replicas_fenced",
+                "replicas fenced after a silence (and replaced) since the gateway started",
+                value=health.num_fenced,
+            )
+            yield CounterMetricFamily(
+                "tokenfleet_fleet_dropped_messages",
+                "messages of a fenced incarnation and outputs of a moved request's older "
+                "attempt, dropped since the gateway started",
+                value=health.num_dropped,
+            )
 
 
 class Metrics:
@@ -224,12 +257,13 @@ class Metrics:
         replica_stats: Callable[[], dict[str, SchedulerStats]] | None = None,
         moves: Callable[[], int] = lambda: 0,
         drains: Drains | None = None,
+        health: Health | None = None,
     ) -> None:
         """`engine_stats`: all replicas' as one (the single engine's); `replica_stats`:
-        each replica's, for series with a `replica` label; `drains`: a fleet's."""
+        each replica's, for series with a `replica` label; `drains`, `health`: a fleet's."""
         self.registry = CollectorRegistry()
         if replica_stats is not None:
-            self.registry.register(_ReplicaCollector(replica_stats, moves, drains))
+            self.registry.register(_ReplicaCollector(replica_stats, moves, drains, health))
         labels = ("route", "priority")
         self.ttft = Histogram(
             "tokenfleet_time_to_first_token_seconds",

@@ -24,6 +24,7 @@ from tokenfleet.engine.wire import EngineReady
 from tokenfleet.errors import InvalidRequestError
 from tokenfleet.policy.admission import AdmissionControl, FirstToken, StepLimit, Verdict
 from tokenfleet.policy.harvest import step_time_limit
+from tokenfleet.server.autoscale import WindowCounts
 from tokenfleet.server.detokenizer import IncrementalDetokenizer, StopChecker
 from tokenfleet.server.errors import APIError
 from tokenfleet.server.ids import random_hex
@@ -161,6 +162,8 @@ class GenerationService:
         # Per key group, interactive only; the store's instead when shared (app.py).
         self.limiter: Limiter = RateLimiter(config.limits)
         engine = client.config
+        # Requests ended here, and those within both targets (the fleet autoscaler's window).
+        self.window = WindowCounts(config.ttft_target_s, engine.tpot_target_s)
         limit = None
         if engine.scheduling_policy == "priority":
             seconds = step_time_limit(engine.tpot_target_s, engine.harvest_margin)
@@ -294,6 +297,7 @@ class GenerationService:
         )
         start = last = time.monotonic()
         waiting_first = True
+        first_s = 0.0
         num_output = 0
         interactive = priority == "interactive"
         if predicted is None and interactive:
@@ -322,7 +326,7 @@ class GenerationService:
                     # HTTP layer's (bench/gateway_overhead.py measures it apart).
                     now = outputs.arrived
                     if waiting_first:
-                        waiting_first = False
+                        waiting_first, first_s = False, now - start
                         first = self.admission.first_token(request.req_id, now)
                         later(self._observe_first_token, first, predicted, ttft, now - start)
                     elif out.new_token_ids:
@@ -350,6 +354,7 @@ class GenerationService:
                     yield delta
                     if delta.finish_reason is not None:
                         e2e.observe(time.monotonic() - start)
+                        self.window.finished(interactive, first_s, now - start, num_output)
                         return
         except EngineDeadError as exc:
             raise APIError(503, "engine_down", str(exc)) from exc
