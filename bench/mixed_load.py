@@ -77,6 +77,9 @@ OURS = {  # config: (policy, interactive?, batch?, extra serve arguments)
     "c2": ("priority", True, True, ["--harvest-margin", str(TIGHT_MARGIN)]),
     "c3": ("priority", True, True, ["--harvest-margin", str(STREAMS_FIRST_MARGIN)]),
     "d": ("fcfs", True, True, []),
+    # (c) with the engine's overlap on and off (EngineConfig.overlap), side by side
+    "con": ("priority", True, True, ["--overlap", "on"]),
+    "coff": ("priority", True, True, ["--overlap", "off"]),
     # the priority policy with its TPOT target set to a peer's measured TPOT p50 (--match)
     # and --batch-step-limit BATCH_STEP_TTFT_SHARE x the TTFT target
     "m": ("priority", True, True, []),
@@ -88,6 +91,8 @@ LABELS = {
     "c2": f"(c2) mixed, priority, margin {TIGHT_MARGIN}",
     "c3": f"(c3) mixed, priority, margin {STREAMS_FIRST_MARGIN}",
     "d": "(d) mixed, fcfs",
+    "con": "(c) mixed, priority, overlap on",
+    "coff": "(c) mixed, priority, overlap off",
     "m": "(m) mixed, priority, TPOT target = a peer's TPOT p50",
 }
 # The interactive percentiles "equal or better" compares, TTFT and TPOT alike.
@@ -433,7 +438,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--configs",
         default="a,b,c,c2,c3,d,e",
         help="a: interactive alone, b: batch alone, c: mixed priority, c2 and c3: c with "
-        f"harvest margin {TIGHT_MARGIN} and {STREAMS_FIRST_MARGIN}, d: mixed fcfs, "
+        f"harvest margin {TIGHT_MARGIN} and {STREAMS_FIRST_MARGIN}, con and coff: c with "
+        "the overlap on and off, d: mixed fcfs, "
         "m: mixed priority with the TPOT target set to --match's measured TPOT p50 and "
         f"batch steps within {BATCH_STEP_TTFT_SHARE} x the TTFT target, "
         f"e: every installed peer, or a peer by name ({', '.join(PEERS)}), with @N for N "

@@ -530,8 +530,8 @@ def add_serve_command(commands: argparse._SubParsersAction) -> None:  # type: ig
         choices=("auto", "on", "off"),
         default="auto",
         help="plan each engine step while the previous one's forward runs: auto (the "
-        "default) is on, except for the model on an accelerator or on a CPU whose torch "
-        "threads take every core (measured slower there: docs/benchmarks.md)",
+        "default) is on for the fixed runner only (measured slower with the model, on a "
+        "CPU and on a GPU: docs/benchmarks.md)",
     )
     add("--no-overlap", dest="overlap", action="store_const", const="off", help="--overlap off")
     add(

@@ -163,6 +163,7 @@ class FleetClient:
         self.fence_timeout_s = fence_timeout_s
         self.health = FleetHealth(slow_rule or SlowRule())
         self.discover_interval_s = discover_interval_s
+        self.discover_round = 0  # counts the directory's reads, each before it is made
         self.max_moves = max_moves
         self.move_wait_s = move_wait_s
         self.startup_timeout_s = startup_timeout_s
@@ -473,6 +474,7 @@ class FleetClient:
 
     async def _discover_loop(self) -> None:
         while True:
+            self.discover_round += 1
             try:
                 found = await self.directory.describe(max(1.0, self.replica_timeout_s))
             except Exception:

@@ -89,6 +89,11 @@ class Scaler:
         self.drain_seconds_sum = 0.0  # over those
         self.num_drain_moves = 0
         self._flags: dict[int, bool] = {}  # the draining flag each replica last showed
+        # Flags this gateway writes: how many writes run, and the directory read under way
+        # when the last one ended. A read made before a write of ours landed shows the old
+        # flag: not another gateway's drain (or cancel) to follow.
+        self._writing: dict[int, int] = {}
+        self._landed: dict[int, int] = {}
         # Replicas gone: the incarnations they had. Ray's answers about them (one in flight
         # when they stopped, "dead" from a cached handle) are ignored, until a scale-up
         # starts the id again as a new incarnation.
@@ -163,6 +168,13 @@ class Scaler:
     def follow(self, link: ReplicaLink, draining: bool) -> None:
         """The replica's own flag, as the directory describes it: a drain another gateway
         asked for (or cancelled) is followed here."""
+        replica_id = link.replica_id
+        if self._writing.get(replica_id):
+            return  # read while our own write runs
+        if replica_id in self._landed:
+            if self.client.discover_round <= self._landed[replica_id]:
+                return  # read before our own write landed
+            del self._landed[replica_id]
         if self._flags.get(link.replica_id, False) == draining:
             return
         self._flags[link.replica_id] = draining
@@ -221,8 +233,7 @@ class Scaler:
             len(link.requests),
         )
         if owner:
-            self._flags[link.replica_id] = True
-            self._call(self.client.directory.set_draining, link.replica_id, True)
+            self._write_flag(link.replica_id, True)
         if not self.client.is_healthy():
             self.client.unready()
 
@@ -230,8 +241,7 @@ class Scaler:
         link = self.client.links[drain.replica_id]
         self._finish(drain, "cancelled")
         if tell_replica:
-            self._flags[link.replica_id] = False
-            self._call(self.client.directory.set_draining, link.replica_id, False)
+            self._write_flag(link.replica_id, False)
         logger.info("replica %d drains no more", link.replica_id)
         if link.info is not None and link.socket is not None:
             self.client.mark_ready(link)
@@ -264,7 +274,20 @@ class Scaler:
         self.drains.pop(drain.replica_id, None)
         self.ended.append(drain)
 
-    def _call(self, method: Callable[..., None], *args: object) -> None:
+    def _write_flag(self, replica_id: int, draining: bool) -> None:
+        """Set the replica's draining flag in the directory, for every gateway to follow."""
+        self._flags[replica_id] = draining
+        self._writing[replica_id] = self._writing.get(replica_id, 0) + 1
+
+        def landed() -> None:
+            self._writing[replica_id] -= 1
+            self._landed[replica_id] = self.client.discover_round
+
+        self._call(self.client.directory.set_draining, replica_id, draining, then=landed)
+
+    def _call(
+        self, method: Callable[..., None], *args: object, then: Callable[[], None] | None = None
+    ) -> None:
         """A directory call (blocking: Ray) in a thread, its failure logged."""
 
         async def run() -> None:
@@ -272,6 +295,8 @@ class Scaler:
                 await asyncio.to_thread(method, *args)
             except Exception:
                 logger.exception("the fleet's directory failed %s%r", method.__name__, args)
+            if then is not None:
+                then()
 
         self.client.spawn(run())
 
