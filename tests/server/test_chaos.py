@@ -98,13 +98,14 @@ def batch_ended(reader: Engine, batch_id: str) -> bool:
 
 def kill_plan(rng: random.Random) -> list[tuple[str, int]]:
     """(kind, the number of finished requests it waits for), in order: the kinds shuffled,
-    each point drawn in its own fifth of 5-75 % of the batch, so that every kill lands
-    mid-batch (500 requests left at least: about a second's work at the fastest, against
-    the moment from a look at the store to the kill) and each waits for
+    each point drawn in its own fifth of 5-60 % of the batch, so that every kill lands
+    mid-batch (800 requests left at least: several seconds' work at the fastest, against
+    the moment from a look at the store to the kill; with 500, a CI run's batch once ended
+    before its last kill's point was seen with batch requests running) and each waits for
     progress since the one before."""
     kinds = ["engine"] * ENGINE_KILLS + ["gateway"] * GATEWAY_KILLS
     rng.shuffle(kinds)
-    span = 0.70 / len(kinds)
+    span = 0.55 / len(kinds)
     return [
         (kind, int(NUM_REQUESTS * (0.05 + span * (k + rng.random()))))
         for k, kind in enumerate(kinds)
