@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from pathlib import Path
 
 import pytest
 from support.local_fleet import (
     BOGUS,
-    STEP_S,
     collect,
     fenced_outputs,
     fleet,
@@ -23,24 +21,12 @@ from support.local_fleet import (
     until,
 )
 
-from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.cluster.wire import ReplicaBeat
 from tokenfleet.config import EngineConfig
 from tokenfleet.core.request import PRIORITY_BATCH
 from tokenfleet.engine.client import EngineDeadError
 
 pytestmark = pytest.mark.fake("runner")
-
-
-@pytest.fixture(scope="module")
-def config(model_folder: Path) -> EngineConfig:
-    return EngineConfig(model=str(model_folder), runner="fixed", fixed_step_s=STEP_S)
-
-
-@pytest.fixture(scope="module")
-def fixed_token(model_folder: Path) -> int:
-    """The token the fixed runner samples (" a", as engine/core.py picks it)."""
-    return Tokenizer(model_folder).encode(" a")[-1]
 
 
 # -- routing ------------------------------------------------------------------------------

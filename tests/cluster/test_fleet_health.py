@@ -6,12 +6,10 @@ network cut drops (the replica's process itself runs on)."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
-from support.local_fleet import STEP_S, collect, fleet, request, until
+from support.local_fleet import collect, fleet, request, until
 
-from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.cluster.client import FleetClient
 from tokenfleet.cluster.health import (
     ALPHA,
@@ -147,16 +145,6 @@ def test_windows_fed_by_hand_one_window_of_a_stall_does_not_make_a_replica_slow(
 
 
 # -- silence, through FleetClient (a network cut stood in for) ------------------------------
-
-
-@pytest.fixture(scope="module")
-def config(model_folder: Path) -> EngineConfig:
-    return EngineConfig(model=str(model_folder), runner="fixed", fixed_step_s=STEP_S)
-
-
-@pytest.fixture(scope="module")
-def fixed_token(model_folder: Path) -> int:
-    return Tokenizer(model_folder).encode(" a")[-1]
 
 
 def cut(client: FleetClient, replica_id: int) -> list[FleetMessage]:

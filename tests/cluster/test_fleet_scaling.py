@@ -11,12 +11,10 @@ then it is stopped."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from support.local_fleet import (
     BOGUS,
-    STEP_S,
     Fleet,
     collect,
     fenced_outputs,
@@ -25,7 +23,6 @@ from support.local_fleet import (
     until,
 )
 
-from tokenfleet.checkpoint.tokenizer import Tokenizer
 from tokenfleet.config import EngineConfig
 from tokenfleet.errors import InvalidRequestError
 
@@ -34,16 +31,6 @@ pytestmark = [pytest.mark.fake("runner"), pytest.mark.fake("directory")]
 GRACE_S = 0.5
 SHORT = 20  # tokens: ends well within the grace (20 steps of 5 ms)
 LONG = 1000  # tokens: runs past the grace (1000 steps of 5 ms at least)
-
-
-@pytest.fixture(scope="module")
-def config(model_folder: Path) -> EngineConfig:
-    return EngineConfig(model=str(model_folder), runner="fixed", fixed_step_s=STEP_S)
-
-
-@pytest.fixture(scope="module")
-def fixed_token(model_folder: Path) -> int:
-    return Tokenizer(model_folder).encode(" a")[-1]
 
 
 def states(f: Fleet) -> dict[int, str]:
