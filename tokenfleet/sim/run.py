@@ -7,9 +7,11 @@ as a sample of its replicas given that share of the traffic (sampling.py).
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import accumulate
@@ -110,6 +112,19 @@ def _trace_jobs(config: SimConfig, sampling: Sampling | None) -> list[JobSubmiss
     ]
 
 
+@contextmanager
+def _few_collections() -> Iterator[None]:
+    """Collect young objects every 50,000 allocations instead of 700 while a simulation runs:
+    its requests, steps and events are short-lived and free no cycles, so the default's
+    collections were ~14 % of its CPU time (the threshold is restored after)."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50_000, thresholds[1], thresholds[2])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+
+
 def simulate(
     config: SimConfig, policy: FleetPolicy, progress: Callable[[float], None] | None = None
 ) -> PolicyResult:
@@ -133,7 +148,8 @@ def simulate(
         job_submissions(config, sampling),
     )
     began = time.perf_counter()
-    metrics = sim.run(progress)
+    with _few_collections():
+        metrics = sim.run(progress)
     wall_s = time.perf_counter() - began
     decisions = {p.spec.name: list(p.scaler.history) for p in sim.pools if p.scaler is not None}
     return PolicyResult(policy, metrics, sim.jobs, wall_s, decisions, sampling)
