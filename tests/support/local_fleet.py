@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from tokenfleet.cluster.client import FleetClient, _Moving
+from tokenfleet.cluster.attempts import MovingRequest
+from tokenfleet.cluster.client import FleetClient
 from tokenfleet.cluster.placement import ReplicaDescription
 from tokenfleet.cluster.replica import ReplicaBridge
 from tokenfleet.cluster.wire import ReplicaOutputs
@@ -99,7 +100,7 @@ class Fleet:
     def link_of(self, req_id: str) -> int:
         return self.client._requests[req_id].replica_id
 
-    def moving(self, req_id: str) -> _Moving:
+    def moving(self, req_id: str) -> MovingRequest:
         return self.client._requests[req_id]
 
     def stop(self, replica_id: int) -> None:

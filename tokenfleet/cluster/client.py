@@ -1,9 +1,9 @@
 """FleetClient: the gateway's ReplicaClient for a fleet of replicas (the single-replica one
 is engine/client.py's AsyncEngineClient; the gateway sees only their shared interface).
 
-- **Finding replicas**: every `discover_interval_s` it asks the directory (Ray, by name)
-  for each replica's incarnation and address, connects to new incarnations and drops old
-  ones.
+- **Finding and hearing replicas** (watch.py): new incarnations connected, old ones
+  dropped; a replica dead, silent, fenced or slow is the watch's call, what that does to
+  the requests on it is this module's.
 - **Routing**: interactive requests by the router's score (prefix overlap, salted by key
   group as the engine salts it, and load), kept off a replica predicted to miss the TTFT
   target while another meets it (fleet/ttft.py, from the replicas' own reports); batch
@@ -17,17 +17,15 @@ is engine/client.py's AsyncEngineClient; the gateway sees only their shared inte
   missing token. The engine request id is `<id>/<attempt>`, so outputs of an older
   attempt (a replica that speaks late) are dropped. A request moved more than `max_moves`
   times, or with no replica to move to for `move_wait_s`, ends with EngineDeadError.
-- **Silence** (its bridge beats every 0.2 s from a thread of its own, so a long step is
-  not one): past `replica_timeout_s` its requests move the same way and it gets no new
-  work, but it serves again if it speaks; past `fence_timeout_s` it is fenced (its
-  incarnation too) and Ray is asked to replace it: Ray never notices a frozen actor.
+- **Silence**: a silent replica's requests move the same way and it gets no new work
+  until it speaks; a fenced one's incarnation is fenced like a dead one's.
 - **Slow replicas** (health.py): no new work while another replica is ready.
 - **Scaling**: scaling.py's Scaler adds replicas and drains those it removes; a drained
   replica's requests move as a dead one's do, without counting against `max_moves`.
 
-(Over 400 lines: placing, moving and hearing from replicas are one state machine over the
-same requests and links: a replica's death moves its requests, a beat unparks them, an
-output ends them; split, each part would reach into the others' state.)
+(Over 400 lines: placing and moving requests is one state machine over the same requests
+and links: a replica's death moves its requests, a beat unparks them, an output ends them.
+Finding and hearing replicas is watch.py, a request's attempts attempts.py.)
 """
 
 from __future__ import annotations
@@ -39,17 +37,17 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from tokenfleet.cluster.attempts import MovingRequest
 from tokenfleet.cluster.health import FleetHealth, SlowRule
 from tokenfleet.cluster.links import DOWN, ReplicaLink, merge_stats
-from tokenfleet.cluster.placement import ReplicaDescription
 from tokenfleet.cluster.scaling import Scaler
+from tokenfleet.cluster.watch import DEFAULT_FENCE_TIMEOUT_S, Directory, ReplicaWatch
 from tokenfleet.cluster.wire import (
     FleetMessage,
     GatewayPing,
@@ -60,7 +58,6 @@ from tokenfleet.cluster.wire import (
 )
 from tokenfleet.config import EngineConfig
 from tokenfleet.core.engine_api import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from tokenfleet.core.request import PRIORITY_INTERACTIVE
 from tokenfleet.engine.client import Arrival, EngineDeadError, RequestOutputs
 from tokenfleet.engine.wire import AbortRequests, AddRequests, EngineReady
 from tokenfleet.errors import InvalidRequestError
@@ -69,62 +66,6 @@ from tokenfleet.fleet.ttft import ReplicaTTFT
 from tokenfleet.policy.admission import Verdict
 
 logger = logging.getLogger(__name__)
-
-
-# A replica whose connection closed and has not connected again this long after is dead
-# (a killed process's port refuses at once; a network blip reconnects within it).
-DISCONNECT_GRACE_S = 0.5
-DEFAULT_FENCE_TIMEOUT_S = 10.0
-
-
-class Directory(Protocol):
-    """Where the replicas are: Ray (placement.RayFleet), or a fixed list in tests."""
-
-    def start(self) -> None: ...
-
-    async def describe(self, timeout_s: float) -> dict[int, ReplicaDescription | str]: ...
-
-    def restart(self, replica_id: int) -> None:
-        """Have the replica replaced: it still runs, but this gateway took it for dead
-        (frozen, cut off). Ray notices neither by itself."""
-        ...
-
-    def add(self, replica_id: int) -> None:
-        """Start a replica of this id (a scale-up)."""
-        ...
-
-    def set_draining(self, replica_id: int, draining: bool) -> None:
-        """Flag the replica draining or not; `describe` shows the flag to every gateway."""
-        ...
-
-    def remove(self, replica_id: int) -> None:
-        """Stop the replica for good (drained); `describe` no longer lists it."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-
-@dataclass
-class _Moving:
-    """One request of this gateway, wherever it runs now."""
-
-    request: EngineCoreRequest
-    queue: asyncio.Queue[Arrival | Exception]
-    replica_id: int = -1
-    attempt: int = 0
-    received: list[int] = field(default_factory=list)  # output tokens passed to the caller
-    routed_tokens: int = 0  # what the router was told it has to prefill
-    first_seen: bool = False
-    parked_at: float | None = None  # waiting for a replica to move to since then
-    num_drain_moves: int = 0  # moves off a draining replica (not counted in max_moves)
-
-    @property
-    def engine_id(self) -> str:
-        return f"{self.request.req_id}/{self.attempt}"
-
-    @property
-    def interactive(self) -> bool:
-        return self.request.priority <= PRIORITY_INTERACTIVE
 
 
 class FleetClient:
@@ -163,7 +104,6 @@ class FleetClient:
         self.fence_timeout_s = fence_timeout_s
         self.health = FleetHealth(slow_rule or SlowRule())
         self.discover_interval_s = discover_interval_s
-        self.discover_round = 0  # counts the directory's reads, each before it is made
         self.max_moves = max_moves
         self.move_wait_s = move_wait_s
         self.startup_timeout_s = startup_timeout_s
@@ -176,7 +116,7 @@ class FleetClient:
         self._send_ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.shadow(self._ctx.underlying)
         self._encoder = msgspec.msgpack.Encoder()
         self.links: dict[int, ReplicaLink] = {}
-        self._requests: dict[str, _Moving] = {}
+        self._requests: dict[str, MovingRequest] = {}
         self._queues: dict[str, asyncio.Queue[Arrival | Exception]] = {}  # RequestOutputs'
         self._tasks: list[asyncio.Task[None]] = []
         self._ready = asyncio.Event()
@@ -187,6 +127,7 @@ class FleetClient:
         # AsyncEngineClient's knobs, set by the gateway; the fleet has its own.
         self.restart_backoff_s = self.restart_backoff_max_s = 0.0
         self.scaler = Scaler(self, drain_grace_s)
+        self.watch = ReplicaWatch(self)
 
     # -- the ReplicaClient interface ----------------------------------------------
 
@@ -197,8 +138,8 @@ class FleetClient:
         port = self._replies.bind_to_random_port(f"tcp://{self.host}")
         self._ping = self._encoder.encode(GatewayPing(f"tcp://{self.host}:{port}"))
         self._tasks = [
-            asyncio.create_task(self._discover_loop()),
-            asyncio.create_task(self._watchdog()),
+            asyncio.create_task(self.watch.discover_loop()),
+            asyncio.create_task(self.watch.watchdog(self._ping)),
             asyncio.create_task(self._read()),
         ]
         await self.wait_ready(self.startup_timeout_s)
@@ -271,7 +212,7 @@ class FleetClient:
         if request.req_id in self._requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use")
         queue: asyncio.Queue[Arrival | Exception] = asyncio.Queue()
-        moving = _Moving(request, queue)
+        moving = MovingRequest(request, queue)
         self._requests[request.req_id] = self._queues_entry(moving)
         if not self._place(moving, num_pending):
             self._forget(moving)
@@ -321,11 +262,16 @@ class FleetClient:
             self._move(one, why, drain=True)
         return len(moving)
 
+    def connect(self, link: ReplicaLink) -> None:
+        """Connect to a replica's new incarnation and tell it where this gateway is."""
+        link.connect(self._send_ctx, self._identity)
+        link.send(self._ping)
+
     def mark_ready(self, link: ReplicaLink) -> None:
         link.state = "ready"
         logger.info("replica %d is ready", link.replica_id)
         self._ready.set()
-        self._unpark()
+        self.unpark()
 
     def unready(self) -> None:
         self._ready.clear()
@@ -336,7 +282,7 @@ class FleetClient:
 
     # -- placing and moving requests ----------------------------------------------
 
-    def _queues_entry(self, moving: _Moving) -> _Moving:
+    def _queues_entry(self, moving: MovingRequest) -> MovingRequest:
         self._queues[moving.request.req_id] = moving.queue
         return moving
 
@@ -346,7 +292,7 @@ class FleetClient:
         ready = [link for link in self.links.values() if link.routable]
         return [link for link in ready if not link.slow] or ready
 
-    def _choose(self, moving: _Moving) -> ReplicaLink | None:
+    def _choose(self, moving: MovingRequest) -> ReplicaLink | None:
         links = self._ready_links()
         if not links:
             return None
@@ -370,7 +316,7 @@ class FleetClient:
         link.unreported.append((link.num_reports, uncached))
         return self.links[replica_id]
 
-    def _place(self, moving: _Moving, num_pending: int | None = None) -> bool:
+    def _place(self, moving: MovingRequest, num_pending: int | None = None) -> bool:
         """Send the request's current attempt to a replica; False if none is ready."""
         link = self._choose(moving)
         if link is None:
@@ -382,31 +328,15 @@ class FleetClient:
             link.num_routed += 1
             if not moving.interactive:
                 link.num_batch += 1
-            message = AddRequests([self._attempt(moving)], num_pending)
+            message = AddRequests([moving.engine_request()], num_pending)
             if link.send(self._encoder.encode(message)):
                 return True
             self._leave(moving)
-            self._replica_dead(link, "its socket refused a request")
+            self.replica_dead(link, "its socket refused a request")
             link = self._choose(moving)
         return False
 
-    def _attempt(self, moving: _Moving) -> EngineCoreRequest:
-        """The engine request of the current attempt: a later one carries the tokens the
-        caller has received, and no prompt logprobs (the first attempt sent them)."""
-        request = moving.request
-        if not moving.attempt:
-            return msgspec.structs.replace(request, req_id=moving.engine_id)
-        params = request.sampling_params
-        if params.prompt_logprobs is not None:
-            params = msgspec.structs.replace(params, prompt_logprobs=None)
-        return msgspec.structs.replace(
-            request,
-            req_id=moving.engine_id,
-            sampling_params=params,
-            output_token_ids=list(moving.received),
-        )
-
-    def _leave(self, moving: _Moving) -> None:
+    def _leave(self, moving: MovingRequest) -> None:
         """The request no longer runs on the replica it was on."""
         link = self.links.get(moving.replica_id)
         if link is not None and moving.request.req_id in link.requests:
@@ -419,17 +349,17 @@ class FleetClient:
                 self.router.finished(link.replica_id)
         moving.replica_id = -1
 
-    def _forget(self, moving: _Moving) -> None:
+    def _forget(self, moving: MovingRequest) -> None:
         self._leave(moving)
         self._requests.pop(moving.request.req_id, None)
         self._queues.pop(moving.request.req_id, None)
 
-    def _abort_on_replica(self, moving: _Moving) -> None:
+    def _abort_on_replica(self, moving: MovingRequest) -> None:
         link = self.links.get(moving.replica_id)
         if link is not None:
             link.send(self._encoder.encode(AbortRequests([moving.engine_id])))
 
-    def _move(self, moving: _Moving, why: str, *, drain: bool = False) -> None:
+    def _move(self, moving: MovingRequest, why: str, *, drain: bool = False) -> None:
         self._abort_on_replica(moving)  # in case it only paused: nothing more from it
         self._leave(moving)
         if moving.request.req_id not in self._queues:  # its caller has gone
@@ -453,11 +383,11 @@ class FleetClient:
         if not self._place(moving):
             moving.parked_at = time.monotonic()
 
-    def _fail(self, moving: _Moving, message: str) -> None:
+    def _fail(self, moving: MovingRequest, message: str) -> None:
         moving.queue.put_nowait(EngineDeadError(message))
         self._forget(moving)
 
-    def _unpark(self) -> None:
+    def unpark(self) -> None:
         now = time.monotonic()
         for moving in list(self._requests.values()):
             if moving.parked_at is None:
@@ -472,56 +402,7 @@ class FleetClient:
 
     # -- replicas -------------------------------------------------------------------
 
-    async def _discover_loop(self) -> None:
-        while True:
-            self.discover_round += 1
-            try:
-                found = await self.directory.describe(max(1.0, self.replica_timeout_s))
-            except Exception:
-                logger.exception("the fleet's directory could not be read")
-                found = {}
-            for replica_id, description in found.items():
-                self._discovered(replica_id, description)
-            await asyncio.sleep(self.discover_interval_s)
-
-    def _discovered(self, replica_id: int, found: ReplicaDescription | str) -> None:
-        if self.scaler.ignores(replica_id, found):
-            return
-        link = self.links.get(replica_id) or self.add_link(replica_id)
-        if isinstance(found, str):
-            if found in ("dead", "restarting") and link.state not in DOWN:
-                self._replica_dead(link, f"Ray reports it {found}")
-            return
-        if found.incarnation in link.fenced:
-            # Declared dead, still running (frozen, cut off, or only slow): replace it,
-            # once; its requests have moved, and whatever it sends is dropped.
-            if found.incarnation not in link.restart_asked:
-                link.restart_asked.add(found.incarnation)
-                logger.warning("replica %d: asking Ray to replace it", replica_id)
-                task = asyncio.create_task(asyncio.to_thread(self.directory.restart, replica_id))
-                self._tasks.append(task)
-            return
-        if found.incarnation == link.incarnation:
-            self.scaler.follow(link, found.draining)
-            return
-        if link.incarnation is not None:
-            self._replica_dead(link, "it has a new incarnation")
-            if replica_id not in self.links:
-                return  # it was draining: gone
-        if link.fenced or link.incarnation is not None:
-            link.restarts += 1
-            self.num_restarts += 1
-        link.incarnation = found.incarnation
-        link.address, link.node, link.pid = found.address, found.node, found.pid
-        link.state, link.info, link.beat = "starting", None, None
-        link.silent_since, link.slow = None, False
-        self.health.forget(replica_id)
-        link.connect(self._send_ctx, self._identity)
-        link.send(self._ping)
-        logger.info("replica %d incarnation %d at %s", replica_id, found.incarnation, link.address)
-        self.scaler.follow(link, found.draining)
-
-    def _replica_dead(self, link: ReplicaLink, why: str, state: str = "dead") -> None:
+    def replica_dead(self, link: ReplicaLink, why: str, state: str = "dead") -> None:
         """Dead (or fenced) to this gateway: its incarnation fenced, its requests moved."""
         if link.incarnation is not None:
             link.fenced.add(link.incarnation)
@@ -534,103 +415,16 @@ class FleetClient:
             logger.error("replica %d is %s to this gateway: %s", link.replica_id, state, why)
         if not self.is_healthy():
             self._ready.clear()
-        self._move_off(link, why)
+        self.move_off(link, why)
         self.scaler.died(link)
 
-    def _move_off(self, link: ReplicaLink, why: str) -> None:
+    def move_off(self, link: ReplicaLink, why: str) -> None:
         for req_id in list(link.requests):
             moving = self._requests.get(req_id)
             if moving is not None:
                 self._move(moving, f"replica {link.replica_id}: {why}")
         link.requests.clear()
         link.num_batch = 0
-
-    def _silent(self, link: ReplicaLink, silence: float, now: float) -> None:
-        """Silent past the replica timeout: its requests move, no new work; not fenced
-        yet (a replica that speaks again serves again)."""
-        link.silent_since = now
-        logger.warning(
-            "replica %d silent for %.1f s: its %d requests move, no new work until it speaks",
-            link.replica_id,
-            silence,
-            len(link.requests),
-        )
-        if not self.is_healthy():
-            self._ready.clear()
-        self._move_off(link, f"silent for {silence:.1f} s")
-
-    def _fence(self, link: ReplicaLink, silence: float) -> None:
-        """Silent past the fence timeout (frozen, cut off): nothing more is taken from
-        this incarnation, and Ray, which never notices a frozen actor, is asked to
-        replace it."""
-        incarnation = link.incarnation
-        self._replica_dead(link, f"silent for {silence:.1f} s", state="fenced")
-        self.health.num_fenced += 1
-        if incarnation is not None and incarnation not in link.restart_asked:
-            link.restart_asked.add(incarnation)
-            logger.warning("replica %d: fenced, asking Ray to replace it", link.replica_id)
-            self.spawn(self._replace(link.replica_id))
-
-    async def _replace(self, replica_id: int) -> None:
-        try:
-            await asyncio.to_thread(self.directory.restart, replica_id)
-        except Exception:  # logged; the next fence (a new incarnation's) asks again
-            logger.exception("replica %d could not be replaced", replica_id)
-
-    async def _watchdog(self) -> None:
-        ping = self._ping
-        next_ping = 0.0
-        last_round = time.monotonic()
-        while True:
-            await asyncio.sleep(0.1)
-            # This loop woke late (it was blocked): what the replicas sent meanwhile is
-            # still unread, so no silence is judged this round.
-            now = time.monotonic()
-            late = now - last_round > 0.35
-            last_round = now
-            try:
-                next_ping = self._watch(ping, next_ping, late)
-            except Exception:  # a bug here must not end the watch over every replica
-                logger.exception("the fleet watchdog failed a round")
-
-    def _watch(self, ping: bytes, next_ping: float, late: bool) -> float:
-        """One round of the watchdog: pings out, silent replicas dead, parked requests
-        placed; returns when to ping next."""
-        now = time.monotonic()
-        if now >= next_ping:
-            next_ping = now + 0.5
-            for link in self.links.values():
-                link.send(ping)
-        else:
-            # A new connection takes a moment: a replica not yet heard from is pinged every
-            # round, so that it learns of this gateway (and beats) at once.
-            for link in self.links.values():
-                if link.beat is None and link.state == "starting":
-                    link.send(ping)
-        for link in list(self.links.values()):
-            if link.socket is None or link.state in DOWN:
-                continue
-            link.check_connection(now)
-            silence = link.silent_for(now)
-            closed = link.disconnected_at
-            if closed is not None and now - closed > DISCONNECT_GRACE_S:
-                # Not a silence: a late loop changes nothing (messages sent before it
-                # closed say nothing of after).
-                self._replica_dead(link, f"its connection closed {now - closed:.1f} s ago")
-            elif late:
-                continue
-            elif link.state == "starting" and link.info is None:
-                # Loading its model (16 replicas loading at once starve each other's beats):
-                # judged by the start-up timeout.
-                if silence > self.startup_timeout_s:
-                    self._replica_dead(link, f"silent for {silence:.0f} s while starting")
-            elif silence > self.fence_timeout_s:
-                self._fence(link, silence)
-            elif silence > self.replica_timeout_s and link.silent_since is None:
-                self._silent(link, silence, now)
-        self.scaler.tick(now)
-        self._unpark()
-        return next_ping
 
     async def _read(self) -> None:
         while True:
@@ -647,23 +441,13 @@ class FleetClient:
             if link is not None and message.incarnation in link.fenced:
                 self.health.num_dropped += 1
             return
-        now = link.last_heard = time.monotonic()
-        if link.silent_since is not None:
-            logger.warning(
-                "replica %d speaks again after %.1f s silent: it serves again",
-                link.replica_id,
-                now - link.silent_since,
-            )
-            link.silent_since = None
-            self.health.forget(link.replica_id)  # measured anew (the bridge drops the stall)
-            link.slow = False
-            if link.state == "ready":
-                self.mark_ready(link)
+        now = time.monotonic()
+        self.watch.heard(link, now)
         if isinstance(message, ReplicaBeat):
             link.beat = message
             if message.stats is not None:
                 self._reported(link, message.stats)
-            self._windowed(link, message.step_ms_window)
+            self.watch.windowed(link, message.step_ms_window)
             link.info = message.info
             if message.info is not None and link.state == "starting":
                 self.mark_ready(link)
@@ -679,26 +463,12 @@ class FleetClient:
                 moving.queue.put_nowait(error)
                 self._forget(moving)
 
-    def _windowed(self, link: ReplicaLink, step_ms: float | None) -> None:
-        """A beat: one window of the slow rule."""
-        became = self.health.window(link.replica_id, step_ms)
-        link.slow = self.health.is_slow(link.replica_id)
-        if became is not None:
-            one = self.health.replicas.get(link.replica_id)
-            logger.warning(
-                "replica %d %s: step %s ms on average, the others' median %s ms",
-                link.replica_id,
-                "is slow: no new work" if became else "is no longer slow",
-                f"{one.average_ms:.1f}" if one and one.average_ms is not None else "-",
-                f"{one.median_ms:.1f}" if one and one.median_ms is not None else "-",
-            )
-
     def _reported(self, link: ReplicaLink, stats: SchedulerStats) -> None:
         link.stats = stats
         link.reported()
         self.router.report(link.replica_id, stats.num_running + stats.num_waiting)
 
-    def _current(self, engine_id: str, link: ReplicaLink) -> _Moving | None:
+    def _current(self, engine_id: str, link: ReplicaLink) -> MovingRequest | None:
         """The request of this engine id if that id is its current attempt on `link`."""
         req_id, _, attempt = engine_id.rpartition("/")
         moving = self._requests.get(req_id)

@@ -172,7 +172,7 @@ class Scaler:
         if self._writing.get(replica_id):
             return  # read while our own write runs
         if replica_id in self._landed:
-            if self.client.discover_round <= self._landed[replica_id]:
+            if self.client.watch.discover_round <= self._landed[replica_id]:
                 return  # read before our own write landed
             del self._landed[replica_id]
         if self._flags.get(link.replica_id, False) == draining:
@@ -281,7 +281,7 @@ class Scaler:
 
         def landed() -> None:
             self._writing[replica_id] -= 1
-            self._landed[replica_id] = self.client.discover_round
+            self._landed[replica_id] = self.client.watch.discover_round
 
         self._call(self.client.directory.set_draining, replica_id, draining, then=landed)
 
