@@ -172,6 +172,52 @@ def test_a_drain_another_gateway_asked_for_is_followed_with_a_stand_in_directory
     asyncio.run(run())
 
 
+def test_a_replica_ray_brings_back_counts_in_the_size_and_goes_first_on_a_scale_down(
+    config: EngineConfig,
+) -> None:
+    """Replica 1 reported `restarting` (Ray brings it back): it is dead here but counts,
+    so scale(2) adds nothing; scale(1) stops it at once (no drain: its requests moved when
+    it went down) and keeps the ready one."""
+
+    async def run() -> None:
+        async with fleet(config, 2) as f:
+            f.directory.entries[1] = "restarting"
+            await until(lambda: states(f)[1] == "dead", "replica 1 dead here")
+            assert f.client.scaler.size() == 2
+            assert f.client.scale(2) == {"replicas": 2, "added": [], "kept": [], "draining": []}
+            assert f.client.scale(1)["draining"] == [1]
+            assert states(f) == {0: "ready"}
+            await until(lambda: ("remove", 1) in f.directory.calls, "replica 1 stopped")
+            assert f.directory.calls == [("remove", 1)]
+            assert [(d.replica_id, d.outcome) for d in f.client.scaler.ended] == [(1, "down")]
+            assert f.client.scaler.size() == 1
+
+    asyncio.run(run())
+
+
+def test_a_replica_ray_gave_up_on_is_not_counted_and_a_scale_to_the_same_size_replaces_it(
+    config: EngineConfig, fixed_token: int
+) -> None:
+    """Replica 1 reported `dead` (Ray's restarts used up): not counted, shown given up;
+    scale(2) starts replica 2 in its place, and requests run on 0 and 2."""
+
+    async def run() -> None:
+        async with fleet(config, 2) as f:
+            f.directory.entries[1] = "dead"
+            await until(lambda: states(f)[1] == "dead", "replica 1 dead here")
+            assert f.client.links[1].given_up and f.client.scaler.size() == 1
+            assert f.client.describe()[1]["given_up"] is True
+            assert f.client.scale(2)["added"] == [2]
+            await until(lambda: states(f) == {0: "ready", 1: "dead", 2: "ready"}, "2 ready")
+            assert f.client.scaler.size() == 2
+            streams = [await f.client.submit(request(f"r{n}", 10)) for n in range(4)]
+            assert sorted(f.link_of(s.req_id) for s in streams) == [0, 0, 2, 2]
+            results = await asyncio.gather(*(collect(f, s) for s in streams))
+            assert results == [[fixed_token] * 10] * 4
+
+    asyncio.run(run())
+
+
 def test_a_size_outside_1_to_the_maximum_is_refused(config: EngineConfig) -> None:
     async def run() -> None:
         async with fleet(config, 1) as f:

@@ -61,6 +61,9 @@ class ReplicaLink:
     silent_since: float | None = None  # silent past the replica timeout, since then
     slow: bool = False  # health.py's verdict
     num_routed: int = 0  # requests (and moved attempts) this gateway sent it
+    # Ray reported it dead for good (its restarts used up): it will not come back, so it is
+    # no longer part of the fleet's size.
+    given_up: bool = False
 
     @property
     def routable(self) -> bool:
@@ -155,6 +158,7 @@ class ReplicaLink:
             "kv_usage": kv_usage,
             "step_ms_p50": beat.step_ms_p50 if beat is not None else None,
             "restarts": self.restarts,
+            "given_up": self.given_up,
             "requests_from_this_gateway": len(self.requests),
             "routed": self.num_routed,
         }

@@ -3,7 +3,13 @@ Scaler (the client routes and moves requests; this decides which replicas come a
 
     scale(N) ─┬─ more:  a replica this gateway drains goes back to ready, else a new id
               │         (the lowest free) ──▶ starting ──▶ ready (routable once warmed up)
-              └─ fewer: starting ones first, then the highest ids ──▶ draining ──▶ gone
+              └─ fewer: down ones first (dead or fenced, Ray bringing them back: gone at
+                        once, their requests moved already), then starting ones, then the
+                        highest ids ──▶ draining ──▶ gone
+
+The fleet's size counts replicas starting or ready, and those down that Ray is bringing
+back (a restart, a replacement): a scale while one is down adds none for it. One that Ray
+gave up on (its restarts used up) is not counted, so a scale to the same size replaces it.
 
     draining   no new work: not routable here, and flagged on the replica itself, so that
       │        every gateway sees it (Directory.describe) and sends it nothing either
@@ -30,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenfleet.cluster.links import DOWN
 from tokenfleet.cluster.placement import ReplicaDescription
 from tokenfleet.errors import InvalidRequestError
 
@@ -60,7 +67,8 @@ class Drain:
     num_moved: int = 0  # this gateway's requests moved off it after the grace
     reports_when_empty: int | None = None  # the link's report count once ours were gone
     ended_at: float | None = None
-    outcome: str = "draining"  # then "stopped", "died" or "cancelled"
+    # then "stopped", "died", "cancelled", or "down" (scaled away while down: stopped at once)
+    outcome: str = "draining"
 
     def seconds(self, now: float) -> float:
         return (self.ended_at if self.ended_at is not None else now) - self.started_at
@@ -102,7 +110,14 @@ class Scaler:
     # -- asked by the operator ----------------------------------------------------------
 
     def size(self) -> int:
-        return sum(link.state in COUNTED for link in self.client.links.values())
+        """Replicas starting or ready, and those dead or fenced that Ray is bringing back
+        (a restart, a replacement asked for): a scale while one is down does not add one
+        more for it. One Ray gave up on is not counted: a scale to the same size replaces
+        it."""
+        return sum(
+            link.state in COUNTED or (link.state in DOWN and not link.given_up)
+            for link in self.client.links.values()
+        )
 
     def scale(self, num_replicas: int) -> dict[str, object]:
         """Aim for `num_replicas` replicas starting or ready; returns what changes."""
@@ -127,10 +142,17 @@ class Scaler:
                 self.client.add_link(replica_id)
                 self._call(self.client.directory.add, replica_id)
         elif num_replicas < size:
-            counted = [link for link in self.client.links.values() if link.state in COUNTED]
+            # Those down first (stopped at once: their requests have moved), then those
+            # starting, then the highest ids.
+            links = self.client.links.values()
+            down = [link for link in links if link.state in DOWN and not link.given_up]
+            counted = [link for link in links if link.state in COUNTED]
             counted.sort(key=lambda link: (link.state != "starting", -link.replica_id))
-            for link in counted[: size - num_replicas]:
-                self._drain(link, owner=True)
+            for link in [*down, *counted][: size - num_replicas]:
+                if link.state in DOWN:
+                    self._end(Drain(link.replica_id, time.monotonic(), 0.0, True), link, "down")
+                else:
+                    self._drain(link, owner=True)
                 draining.append(link.replica_id)
         logger.info(
             "scale to %d replicas: %d added %s, %d kept %s, %d draining %s",

@@ -96,6 +96,7 @@ class ReplicaWatch:
             return
         link = client.links.get(replica_id) or client.add_link(replica_id)
         if isinstance(found, str):
+            link.given_up = link.given_up or found == "dead"
             if found in ("dead", "restarting") and link.state not in DOWN:
                 client.replica_dead(link, f"Ray reports it {found}")
             return
@@ -117,7 +118,7 @@ class ReplicaWatch:
         if link.fenced or link.incarnation is not None:
             link.restarts += 1
             client.num_restarts += 1
-        link.incarnation = found.incarnation
+        link.incarnation, link.given_up = found.incarnation, False
         link.address, link.node, link.pid = found.address, found.node, found.pid
         link.state, link.info, link.beat = "starting", None, None
         link.silent_since, link.slow = None, False
