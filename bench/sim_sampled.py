@@ -25,6 +25,8 @@ replica settings.
     .venv/bin/python bench/sim_sampled.py --duration 100 --rate-duration 60   # 45 min here
     .venv/bin/python bench/sim_sampled.py --timing-only                       # 2 min
     .venv/bin/python bench/sim_sampled.py                  # the goal's 10 min: ~2-4 h here
+    .venv/bin/python bench/sim_sampled.py --samples 1,2,4 \
+        --full-from bench/results/sim_sampled.json --out /tmp/more    # more k, same full run
     .venv/bin/python bench/sim_sampled.py --replicas 8 --samples 2,4 --duration 20 \
         --rate-duration 20 --out /tmp/bench                               # smoke, ~1 min
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from dataclasses import replace
@@ -272,6 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--day-sample", type=int, default=8, help="k for the day when it is run")
     add("--day-budget-s", type=float, default=1500.0, help="run the day if it fits this")
     add("--seed", type=int, default=0)
+    add("--full-from", type=Path, help="reuse the full run of this earlier result's validation")
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     args.samples = [int(k) for k in args.samples.split(",") if k]
@@ -282,11 +286,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def full_run(args: argparse.Namespace) -> dict[str, Any]:
+    """The full fleet's run from an earlier result (--full-from), for more sample sizes
+    against it; its replicas, duration, workload and seed must be this run's."""
+    earlier = json.loads(args.full_from.read_text())
+    full: dict[str, Any] = earlier["validation"]["runs"][0]
+    same = ("replicas", "duration", "peak_per_replica", "batch_per_replica_day", "tpot_target")
+    differ = [k for k in (*same, "seed") if earlier["args"][k] != getattr(args, k)]
+    if differ or not full["run"].startswith("full"):
+        sys.exit(f"--full-from {args.full_from}: another run ({', '.join(differ)} differ)")
+    log(f"{full['run']}: from {args.full_from} ({full['wall_s']:.0f} s wall then)")
+    return full
+
+
 def validate(args: argparse.Namespace) -> dict[str, Any]:
     """The full fleet, then each sample, compared (part 1 of the module doc)."""
     full_config = fleet_config(args, args.replicas, args.duration, 12.0)
     log(f"validation: {args.replicas} replicas in full, then samples {args.samples}")
-    runs = [run(full_config, f"full {args.replicas}")]
+    runs = [full_run(args) if args.full_from else run(full_config, f"full {args.replicas}")]
     for k in args.samples:
         runs.append(run(sampled(full_config, k), f"sample {k}/{args.replicas}"))
     diffs = {r["run"]: differences(runs[0], r) for r in runs[1:]}
