@@ -237,3 +237,137 @@ def test_stop_ends_the_loop_even_when_a_wake_comes_with_the_cancel_on_a_fake_eng
         await dispatcher.stop()
 
     asyncio.run(go())
+
+
+@pytest.mark.fake("engine")
+def test_the_number_leased_follows_the_depth_read_at_each_lease_on_a_fake_engine(
+    tmp_path: Any,
+) -> None:
+    """A fleet that grows and shrinks under the dispatcher: its depth (the capacity read at
+    each lease) goes 4 -> 10 -> 3, and what is in flight follows, never past it; over the
+    depth after the shrink, nothing is leased until enough have ended. A real store; each
+    request runs on a function that holds it until the test lets it end, and the engine
+    reports as running every request held."""
+    import asyncio
+    import json
+    import time
+
+    from tokenfleet.batch.schema import NewBatch, NewRequest
+    from tokenfleet.batch.store import BatchStore
+    from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
+
+    store = BatchStore(f"sqlite:///{tmp_path / 'batches.db'}")
+    now = time.time()
+    store.create_batch(
+        NewBatch("msgbatch_1", "anthropic", "alice", "/v1/messages", now, now + 3600),
+        (NewRequest(f"r{i}", json.dumps({"i": i})) for i in range(20)),
+    )
+    held: dict[int, asyncio.Event] = {}  # running now, by request
+    capacity = {"depth": 4, "reads": 0}
+    committed = {"succeeded": 0}
+
+    async def runner(params: dict[str, Any]) -> dict[str, Any]:
+        held[params["i"]] = asyncio.Event()
+        await held[params["i"]].wait()
+        del held[params["i"]]
+        return {"i": params["i"]}
+
+    def read_capacity() -> tuple[int, int]:
+        capacity["reads"] += 1
+        return capacity["depth"], 2
+
+    async def until(condition: Any, timeout_s: float = 60) -> None:  # only catches a hang
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, sorted(held)
+            await asyncio.sleep(0.002)
+
+    async def settled() -> int:
+        """How many run once the dispatcher has read its capacity 10 more times (10 more
+        chances to lease)."""
+        reads = capacity["reads"]
+        await until(lambda: capacity["reads"] >= reads + 10)
+        return len(held)
+
+    async def end(num: int) -> None:
+        """Let `num` of the running requests end, and wait for their commits."""
+        done = committed["succeeded"] + num
+        for i in sorted(held)[:num]:
+            held[i].set()
+        await until(lambda: committed["succeeded"] == done)
+
+    def counted(outcome: str, n: int) -> None:
+        committed[outcome] = committed.get(outcome, 0) + n
+
+    dispatcher = BatchDispatcher(
+        store,
+        DispatcherConfig(owner="g", poll_s=0.002, commit_s=0.001),
+        {"/v1/messages": runner},
+        ResultFormats(),
+        capacity=read_capacity,
+        engine_load=lambda: (len(held), 0),
+        counted=counted,
+    )
+
+    async def go() -> list[int]:
+        in_flight = []
+        await dispatcher.start()
+        try:
+            await until(lambda: len(held) == 4)
+            in_flight.append(await settled())  # 4: the depth
+            capacity["depth"] = 10  # the fleet grew
+            await until(lambda: len(held) == 10)
+            in_flight.append(await settled())  # 10
+            capacity["depth"] = 3  # the fleet shrank: 10 run, over the depth
+            in_flight.append(await settled())  # 10: nothing leased, nothing stopped
+            await end(5)
+            in_flight.append(await settled())  # 5: still over the depth
+            await end(2)
+            in_flight.append(await settled())  # 3: at the depth, nothing more
+            await end(1)
+            in_flight.append(await settled())  # 3: one more leased in the place of one
+            assert store.request_counts("msgbatch_1")["leased"] == 3
+            capacity["depth"] = 64  # the rest
+            while committed["succeeded"] < 20:
+                await until(lambda: held)
+                await end(len(held))
+        finally:
+            await dispatcher.stop()
+        return in_flight
+
+    assert asyncio.run(go()) == [4, 10, 10, 5, 3, 3]
+    assert committed == {"succeeded": 20}  # none released, errored or run twice
+    counts = store.request_counts("msgbatch_1")
+    assert (counts["succeeded"], counts["leased"], counts["queued"]) == (20, 0, 0)
+    results = [json.loads(r.result)["message"]["i"] for r in store.iter_results("msgbatch_1")]
+    assert sorted(results) == list(range(20))
+
+
+@pytest.mark.fake("client")
+@pytest.mark.parametrize(
+    ("states", "capacity"),
+    [
+        (["ready"], (16, 4)),  # one engine: its sequence slots, queue target at least 4
+        (["starting"], (16, 4)),  # one engine always counts one (it leases only when ready)
+        (["ready", "ready"], (32, 4)),
+        (["ready"] * 4, (64, 8)),  # grown to 4: the queue target an eighth of the depth
+        # Scaled back to 2: the ones leaving, coming or down take no new work.
+        (["ready", "ready", "draining", "starting", "silent", "fenced", "dead"], (32, 4)),
+        (["ready", "slow", "slow"], (16, 4)),  # slow ones take work only when none is ready
+        (["slow", "slow", "draining"], (32, 4)),
+    ],
+)
+def test_the_batch_capacity_counts_the_replicas_taking_work_now_on_a_fake_client(
+    states: list[str], capacity: tuple[int, int]
+) -> None:
+    """The gateway's rule for the dispatcher's capacity, over GET /admin/fleet's rows of a
+    stand-in client with 16 sequence slots per replica."""
+    from types import SimpleNamespace
+
+    from tokenfleet.server.batch_start import batch_capacity
+
+    client = SimpleNamespace(
+        config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=16)),
+        describe=lambda: [{"id": i, "state": s} for i, s in enumerate(states)],
+    )
+    assert batch_capacity(client) == capacity  # type: ignore[arg-type]

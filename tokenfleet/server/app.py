@@ -10,7 +10,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -36,9 +35,7 @@ from tokenfleet.server import (
     openai_completions,
 )
 from tokenfleet.server.anthropic_batches import iso
-from tokenfleet.server.batch_input import ENDPOINTS
-from tokenfleet.server.batch_state import BatchState
-from tokenfleet.server.dispatcher import BatchDispatcher, DispatcherConfig, ResultFormats
+from tokenfleet.server.batch_start import start_batches
 from tokenfleet.server.errors import (
     APIError,
     error_response,
@@ -51,9 +48,8 @@ from tokenfleet.server.keys import CALLER_GROUP, Owners
 from tokenfleet.server.limits import RateLimited
 from tokenfleet.server.metrics import Metrics
 from tokenfleet.server.offload import GatewayTokenizer
-from tokenfleet.server.openai_result_files import ResultFiles
 from tokenfleet.server.service import GenerationService
-from tokenfleet.server.settings import BatchConfig, ServeConfig
+from tokenfleet.server.settings import ServeConfig
 from tokenfleet.server.shared_limits import SharedRateLimiter
 
 logger = logging.getLogger(__name__)
@@ -174,7 +170,7 @@ def create_app(config: ServeConfig) -> FastAPI:
         app.state.started = int(time.time())
         await client.start()
         owners = Owners(config.key_groups)
-        batches = await _start_batches(config.batch, app.state.service, client, metrics, owners)
+        batches = await start_batches(config.batch, app.state.service, client, metrics, owners)
         app.state.batches = batches
         app.state.autoscaling = None
         if fleet_client is not None and config.fleet is not None and config.fleet.autoscale:
@@ -344,38 +340,6 @@ def _replica_client(config: ServeConfig, engine: EngineConfig) -> ReplicaClient:
     )
 
 
-async def _start_batches(
-    config: BatchConfig,
-    service: GenerationService,
-    client: ReplicaClient,
-    metrics: Metrics,
-    owners: Owners,
-) -> BatchState:
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    store = BatchStore(config.url)
-    runners = {path: partial(e.run, service) for path, e in ENDPOINTS.items()}
-    dispatcher = BatchDispatcher(
-        store,
-        DispatcherConfig(
-            owner=config.gateway_id,
-            depth=config_depth(client, len(client.describe())),
-            queue_target=max(4, config_depth(client, len(client.describe())) // 8),
-            lease_s=config.lease_s,
-            max_attempts=config.max_attempts,
-            retention_s=config.retention_s,
-        ),
-        runners,
-        ResultFormats(),
-        ready=client.is_healthy,
-        engine_load=lambda: _batch_load(client),
-        counted=lambda outcome, n: metrics.batch_results.labels(outcome=outcome).inc(n),
-        on_finished=ResultFiles(store).register_soon,  # OpenAI batches' output/error files
-        group_of=owners.group,
-    )
-    await dispatcher.start()
-    return BatchState(config, store, dispatcher, owners=owners)
-
-
 def _store_is_up(store: BatchStore) -> bool:
     """Whether the batch store answers a trivial query (readiness)."""
     try:
@@ -385,15 +349,3 @@ def _store_is_up(store: BatchStore) -> bool:
         logger.warning("batch store check failed", exc_info=True)
         return False
     return True
-
-
-def _batch_load(client: ReplicaClient) -> tuple[int, int] | None:
-    stats = client.stats
-    if stats is None:
-        return None
-    return stats.num_running_by_class.get("batch", 0), stats.num_waiting_by_class.get("batch", 0)
-
-
-def config_depth(client: ReplicaClient, replicas: int = 1) -> int:
-    """Batch requests kept in the engines: their sequence slots, enough to keep them full."""
-    return client.config.scheduler.max_num_seqs * replicas

@@ -13,9 +13,11 @@ it, or a lease that expired gives the request back without counting. A store err
 ends the loops here: results wait and their commit is retried with backoff.
 
 It keeps just enough requests in flight to keep the engine's batch queue full (the engine's
-sequence slots), so that a cancel or an interactive burst finds little to undo. Leases are
-renewed while their requests run; a gateway that dies stops renewing, and its leases come
-back to the queue when they expire (or at once when it restarts under the same id).
+sequence slots), so that a cancel or an interactive burst finds little to undo. How many
+that is (its capacity) is read again at each lease: a fleet's replicas that take work come
+and go as it scales, and the depth follows them. Leases are renewed while their requests
+run; a gateway that dies stops renewing, and its leases come back to the queue when they
+expire (or at once when it restarts under the same id).
 
 Over 400 lines: leasing, running, group commit, release and shutdown share the in-flight
 table and its invariants (one task and one lease epoch per request), so they stay together.
@@ -46,6 +48,10 @@ T = TypeVar("T")
 
 # endpoint -> runs one request's params to its response body (raises APIError)
 Runner = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+# () -> (depth, queue target) now: at most depth batch requests in flight (the sequence
+# slots of the replicas taking work), and queue target of them kept waiting in the engines
+# beyond those they run
+Capacity = Callable[[], tuple[int, int]]
 # (api, endpoint, response body) -> the result JSON stored for a success
 # (api, endpoint, APIError) -> the result JSON stored for a failure
 
@@ -53,8 +59,6 @@ Runner = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 @dataclass(frozen=True)
 class DispatcherConfig:
     owner: str  # this gateway's lease owner id
-    depth: int = 64  # at most this many batch requests in flight (the engine's sequence slots)
-    queue_target: int = 8  # batch requests kept waiting in the engine beyond those it runs
     lease_s: float = 120.0  # renewed every lease_s / 3 while a request runs
     max_attempts: int = 3  # failures of a request (its engine died running it) before errored
     poll_s: float = 0.05  # how often to look for work when there was none
@@ -76,6 +80,7 @@ class BatchDispatcher:
         results: ResultFormats,
         *,
         ready: Callable[[], bool] = lambda: True,
+        capacity: Capacity = lambda: (64, 8),
         engine_load: Callable[[], tuple[int, int] | None] = lambda: None,
         counted: Callable[[str, int], None] = lambda outcome, n: None,
         clock: Callable[[], float] = time.time,
@@ -87,6 +92,7 @@ class BatchDispatcher:
         self.runners = runners
         self.results = results
         self.ready = ready  # lease only while the engine can take work
+        self.capacity = capacity  # (depth, queue target), read at each lease
         self.engine_load = engine_load  # (batch running, batch waiting) in the engine, if known
         self.counted = counted  # (outcome, how many): committed results, for /metrics
         self.clock = clock
@@ -188,10 +194,9 @@ class BatchDispatcher:
                         ended = await self.db(self.store.finish_batches, now)
                         if ended:
                             self.on_finished(ended)
-                    config = self.config
-                    free = lease_room(
-                        len(self._tasks), self.engine_load(), config.queue_target, config.depth
-                    )
+                    # Over the depth after a fleet shrank: nothing leased until enough end.
+                    depth, queue_target = self.capacity()
+                    free = lease_room(len(self._tasks), self.engine_load(), queue_target, depth)
                 leased: list[LeasedRequest] = []
                 if free > 0 and self.ready():
                     leased = await self.db(
