@@ -19,6 +19,7 @@ then drops. Off, schedule() and update() alternate and no placeholder is ever ma
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from itertools import chain
 
 from tokenfleet.config import SchedulerConfig
 from tokenfleet.core.block_pool import KVCacheBlock
@@ -227,13 +228,14 @@ class Scheduler(StepPlanner):
     def _num_interactive_blocks(self) -> int:
         """Blocks held by running interactive requests (a shared block counts once)."""
         req_to_blocks = self.kv.req_to_blocks
+        # One KVCacheBlock object a block id, hashed by identity: a set of the objects
+        # counts the ids, built in C.
         return len(
-            {
-                block.block_id
-                for r in self.running
-                if r.is_interactive
-                for block in req_to_blocks.get(r.req_id, ())
-            }
+            set(
+                chain.from_iterable(
+                    req_to_blocks.get(r.req_id, ()) for r in self.running if r.is_interactive
+                )
+            )
         )
 
     # -- results -------------------------------------------------------------------
