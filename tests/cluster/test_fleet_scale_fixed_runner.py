@@ -15,15 +15,13 @@ follow the fleet: 16 on 2 replicas, 32 on 4.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from support.fleet_load import FleetWatch, StreamLoad, paths
 from support.live_server import HTTP_TIMEOUT_S, MODEL, LiveServer, live_server, wait_until
 from support.ray_cluster import RayTestCluster, fleet_rows, ray_cluster, wait_fleet_ready
 
@@ -63,87 +61,12 @@ def gateway(
         yield server
 
 
-@dataclass
-class Load:
-    """Workers that each run one stream after another until stopped; every outcome kept:
-    (max_tokens, error, text, finish reasons, completion tokens)."""
-
-    server: LiveServer
-    outcomes: list[tuple[int, str | None, str, list[str], int | None]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._work, args=(tokens,), daemon=True)
-            for tokens in WORKER_TOKENS
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _work(self, max_tokens: int) -> None:
-        client = openai.OpenAI(
-            base_url=f"{self.server.url}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=HTTP_TIMEOUT_S,
-        )
-        while not self._stop.is_set():
-            pieces: list[str] = []
-            reasons: list[str] = []
-            usage: int | None = None
-            error = None
-            try:
-                chunks = client.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": f"Stream {len(self.outcomes)}"}],
-                    max_tokens=max_tokens,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-                for chunk in chunks:
-                    if chunk.usage is not None:
-                        usage = chunk.usage.completion_tokens
-                    for choice in chunk.choices:
-                        pieces.append(choice.delta.content or "")
-                        if choice.finish_reason is not None:
-                            reasons.append(choice.finish_reason)
-            except Exception as exc:  # the test looks at it
-                error = repr(exc)
-            self.outcomes.append((max_tokens, error, "".join(pieces), reasons, usage))
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(SETTLE_S)
-            assert not thread.is_alive(), "a stream still running: a hang"
-
-
-class Watch:
-    """GET /admin/fleet every 50 ms: each replica's states in the order seen ("gone" once
-    its row is no longer listed)."""
-
-    def __init__(self, server: LiveServer) -> None:
-        self.server = server
-        self.seen: dict[int, list[str]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            rows = {row["id"]: row["state"] for row in fleet_rows(self.server)}
-            for replica_id in rows.keys() | self.seen.keys():
-                state = rows.get(replica_id, "gone")
-                states = self.seen.setdefault(replica_id, [])
-                if not states or states[-1] != state:
-                    states.append(state)
-            time.sleep(0.05)
-
-    def stop(self) -> dict[int, list[str]]:
-        self._stop.set()
-        self._thread.join(HTTP_TIMEOUT_S)
-        return self.seen
+def plan(worker: int, n: int) -> tuple[int, dict[str, Any]]:
+    """Worker w's streams: WORKER_TOKENS[w] tokens each, labelled by that count."""
+    max_tokens = WORKER_TOKENS[worker]
+    content = f"Stream {worker}.{n}"
+    messages = [{"role": "user", "content": content}]
+    return max_tokens, {"messages": messages, "max_tokens": max_tokens, "temperature": 0}
 
 
 def admin(server: LiveServer) -> dict[str, Any]:
@@ -226,8 +149,8 @@ def test_scale_2_to_4_to_2_under_streams_and_a_batch_loses_nothing_and_reports_e
     /admin/fleet with its time and moves, and /metrics counts the same."""
     wait_fleet_ready(gateway, 2)
     client = openai_client(gateway)
-    watch = Watch(gateway)
-    load = Load(gateway)
+    watch = FleetWatch(gateway)
+    load = StreamLoad(gateway, len(WORKER_TOKENS), plan)
     try:
         wait_until(lambda: len(load.outcomes) >= 4, SETTLE_S, "the load under way")
         batch_id = create_batch(gateway)
@@ -272,14 +195,19 @@ def test_scale_2_to_4_to_2_under_streams_and_a_batch_loses_nothing_and_reports_e
         )
     finally:
         load.stop()
-        seen = watch.stop()
+        seen = paths(watch.stop())
     assert seen == {
         0: ["ready"],
         1: ["ready"],
         2: ["starting", "ready", "draining", "gone"],
         3: ["starting", "ready", "draining", "gone"],
     }
-    bad = [o for o in load.outcomes if o[1:] != (None, FIXED * o[0], ["length"], o[0])]
+    bad = [
+        o
+        for o in load.outcomes
+        if (o.error, o.text, o.finish_reasons, o.completion_tokens)
+        != (None, FIXED * o.label, ["length"], o.label)
+    ]
     assert bad == [] and len(load.outcomes) >= 20, bad
 
     assert (done.status, done.error_file_id) == ("completed", None), done

@@ -17,18 +17,17 @@ The measured times (scale-up to ready, each drain) are printed: `pytest -s` show
 from __future__ import annotations
 
 import gc
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
-import openai
 import pytest
+from support.fleet_load import FleetWatch, StreamLoad, paths
 from support.live_server import (
     HTTP_TIMEOUT_S,
     MODEL,
@@ -135,105 +134,16 @@ def server(
     assert left == [], f"left after the gateway stopped: {left}"
 
 
-@dataclass
-class Outcome:
-    topic: str
-    started_at: float  # time.monotonic()
-    ended_at: float
-    error: str | None
-    text: str
-    finish_reasons: list[str]
-    completion_tokens: int | None
-
-
-@dataclass
-class Load:
-    """NUM_WORKERS threads, each running one greedy stream after another until stopped,
-    each through the topics in turn from a different one; every outcome kept."""
-
-    server: LiveServer
-    outcomes: list[Outcome] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._work, args=(w,), daemon=True) for w in range(NUM_WORKERS)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def _work(self, worker: int) -> None:
-        client = openai.OpenAI(
-            base_url=f"{self.server.url}/v1",
-            api_key="unused",
-            max_retries=0,
-            timeout=HTTP_TIMEOUT_S,
-        )
-        n = worker
-        while not self._stop.is_set():
-            topic = TOPICS[n % len(TOPICS)]
-            n += 1
-            pieces: list[str] = []
-            reasons: list[str] = []
-            usage: int | None = None
-            error = None
-            started_at = time.monotonic()
-            try:
-                chunks = client.chat.completions.create(
-                    model=MODEL,
-                    messages=story(topic),  # type: ignore[arg-type]
-                    max_tokens=STREAM_TOKENS,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True},
-                )
-                for chunk in chunks:
-                    if chunk.usage is not None:
-                        usage = chunk.usage.completion_tokens
-                    for choice in chunk.choices:
-                        pieces.append(choice.delta.content or "")
-                        if choice.finish_reason is not None:
-                            reasons.append(choice.finish_reason)
-            except Exception as exc:  # the test looks at it (a 5xx raises here)
-                error = repr(exc)
-            self.outcomes.append(
-                Outcome(topic, started_at, time.monotonic(), error, "".join(pieces), reasons, usage)
-            )
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(SETTLE_S)
-            assert not thread.is_alive(), "a stream still running: a hang"
-
-
-class Watch:
-    """GET /admin/fleet every 50 ms: each replica's states in the order seen, with the
-    time each was first seen ("gone" once its row is no longer listed)."""
-
-    def __init__(self, server: LiveServer) -> None:
-        self.server = server
-        self.seen: dict[int, list[tuple[str, float]]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            rows = {row["id"]: row["state"] for row in fleet_rows(self.server)}
-            now = time.monotonic()
-            for replica_id in rows.keys() | self.seen.keys():
-                state = rows.get(replica_id, "gone")
-                states = self.seen.setdefault(replica_id, [])
-                if not states or states[-1][0] != state:
-                    states.append((state, now))
-            time.sleep(0.05)
-
-    def stop(self) -> dict[int, list[tuple[str, float]]]:
-        self._stop.set()
-        self._thread.join(HTTP_TIMEOUT_S)
-        return self.seen
+def plan(worker: int, n: int) -> tuple[str, dict[str, Any]]:
+    """Worker w's n-th stream: the topics in turn from the w-th, greedy, EOS ignored,
+    labelled by its topic."""
+    topic = TOPICS[(worker + n) % len(TOPICS)]
+    return topic, {
+        "messages": story(topic),
+        "max_tokens": STREAM_TOKENS,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
 
 
 def admin(server: LiveServer) -> dict[str, Any]:
@@ -298,8 +208,8 @@ def test_scale_2_to_3_to_1_under_greedy_streams_and_batches_keeps_every_text_exa
     client = anthropic.Anthropic(
         base_url=server.url, api_key="unused", max_retries=0, timeout=HTTP_TIMEOUT_S
     )
-    watch = Watch(server)
-    load = Load(server)
+    watch = FleetWatch(server)
+    load = StreamLoad(server, NUM_WORKERS, plan)
     try:
         wait_until(lambda: len(load.outcomes) >= 2, SETTLE_S, "the streams under way")
 
@@ -369,7 +279,7 @@ def test_scale_2_to_3_to_1_under_greedy_streams_and_batches_keeps_every_text_exa
         o
         for o in load.outcomes
         if (o.error, o.text, o.finish_reasons, o.completion_tokens)
-        != (None, refs.streams[o.topic].text, ["length"], STREAM_TOKENS)
+        != (None, refs.streams[o.label].text, ["length"], STREAM_TOKENS)
     ]
     assert bad == [] and len(load.outcomes) >= 3 * NUM_WORKERS, bad
     assert len(spanning) >= 2, "the streams did not overlap the scale-down"
@@ -390,8 +300,7 @@ def test_scale_2_to_3_to_1_under_greedy_streams_and_batches_keeps_every_text_exa
 
     # The replicas' paths (a moment of `slow` while a replica loads beside the others is
     # allowed: it takes no new work then, and changes no text).
-    paths = {i: [s for s, _ in states if s != "slow"] for i, states in seen.items()}
-    assert paths == {
+    assert paths(seen, but="slow") == {
         0: ["ready"],
         1: ["ready", "draining", "gone"],
         2: ["starting", "ready", "draining", "gone"],
