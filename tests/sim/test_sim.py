@@ -382,8 +382,12 @@ def test_autoscaled_pool_grows_under_load_without_asking_twice_for_a_starting_re
         (70.0, 3, 0, 4, "slo"),
     ]
     assert len(decisions) == 11
-    # Serving replicas (sampled every 5 s) follow 25 s behind each ask.
-    assert [s.replicas[0] for s in result.metrics.samples][6:9] == [1, 2, 2]
+    # Serving replicas (sampled every 5 s) follow 25 s behind each ask, counted as
+    # starting from the ask (10 s, 40 s) until they serve (35 s, 65 s).
+    samples = result.metrics.samples
+    assert [s.replicas[0] for s in samples][6:9] == [1, 2, 2]
+    assert [s.starting[0] for s in samples][:14] == [0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0]
+    assert [s.draining[0] for s in samples] == [0] * len(samples)
 
 
 def test_config_errors_name_the_setting() -> None:

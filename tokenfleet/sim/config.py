@@ -17,6 +17,12 @@
     sample_replicas: 8           # simulate each policy's N replicas as 8 given 8/N of the
                                  # traffic, totals scaled back to N (sampling.py)
 
+A compressed day: `interactive: {hour_s: 150}` runs each hour of the daily curve in 150
+simulated seconds (24x faster than a real day). The batch jobs' submit_s and deadline_s
+are then read on the real day's clock and compressed with it (deadline_s: 86400 is due
+at the end of the compressed day); duration_s, sample_s and the autoscaler's times stay
+simulated seconds, and every request still takes its real time.
+
 An unknown key is an error naming it (ConfigError), never ignored.
 """
 
@@ -168,14 +174,16 @@ def parse_config(data: dict[str, Any], base: Path = Path()) -> SimConfig:
         coefficients = base / cost["coefficients"]
     elif cost != "roofline":
         raise ConfigError("cost must be 'roofline' or {coefficients: PATH}")
-    jobs = tuple(
-        _make(BatchJob, _lengths_and_prompts(job, f"batch_jobs[{i}]"), f"batch_jobs[{i}]")
-        for i, job in enumerate(data.get("batch_jobs") or [])
-    )
     interactive = _make(
         InteractiveWorkload,
         _lengths_and_prompts(data.get("interactive") or {}, "interactive"),
         "interactive",
+    )
+    jobs = tuple(
+        _make(
+            BatchJob, _lengths_and_prompts(job, f"batch_jobs[{i}]"), f"batch_jobs[{i}]"
+        ).on_clock_of(interactive)
+        for i, job in enumerate(data.get("batch_jobs") or [])
     )
     trace = data.get("trace")
     num_simulated = data.get("sample_replicas")

@@ -10,7 +10,8 @@ its inputs and seed alone):
     job           a batch job joins the backlog; replicas with room lease from it
     replica up    an autoscaled replica starts serving
     tick          each autoscaled pool's policy is asked for its replica count
-    sample        replicas and KV use per pool, for the report
+    sample        replicas (serving, starting, draining) and KV use per pool, interactive
+                  requests and batch tokens done so far, for the report
 
 A replica whose step-end event is superseded (a cut leap ends earlier) leaves the old one
 in the heap; it is skipped by its version number.
@@ -91,6 +92,7 @@ class Simulation:
         self._pool_of: dict[int, Pool] = {}
         self._requests: dict[str, InFlight] = {}
         self._arrivals = iter(interactive)
+        self._num_arrived = 0
         block_size = settings.replica.block_size
         self.pools = [Pool(i, spec) for i, spec in enumerate(policy.pools)]
         self.routers = {p.index: Router(settings.router, block_size) for p in self.pools}
@@ -219,6 +221,7 @@ class Simulation:
 
     def _on_arrival(self, arrival: Arrival) -> None:
         self._next_arrival()
+        self._num_arrived += 1
         pool = next((p for p in self.pools if p.spec.interactive and p.serving), None)
         if pool is None:
             self.metrics.classes[INTERACTIVE].num_refused += 1
@@ -346,14 +349,20 @@ class Simulation:
 
     def _on_sample(self, _: None) -> None:
         self._push(self.now + self.settings.sample_s, SAMPLE, None)
-        replicas, usage = [], []
-        for pool in self.pools:
-            live = list(pool.replicas.values())
-            blocks = sum(r.blocks_used(self.now) for r in live)
-            total = sum(r.kv.pool.num_blocks for r in live)
-            replicas.append(len(live))
-            usage.append(blocks / total if total else 0.0)
-        self.metrics.samples.append(Sample(self.now, replicas, usage))
+        pools, log = self.pools, self.metrics.classes[INTERACTIVE]
+        sample = Sample(
+            self.now,
+            [len(p.replicas) for p in pools],
+            [p.kv_usage(self.now) for p in pools],
+            [p.num_starting for p in pools],
+            [len(p.draining) for p in pools],
+            self._num_arrived,
+            log.num_finished,
+            log.num_refused,
+            log.num_met,
+            {j.job_id: j.leased_output_tokens - j.output_tokens_left for j in self.jobs},
+        )
+        self.metrics.samples.append(sample)
 
     def _close(self) -> None:
         """Count what the run left unfinished: accelerator time to the end, and the

@@ -57,6 +57,16 @@ class Sample:
     time_s: float
     replicas: list[int]  # per pool: serving (draining ones included)
     kv_usage: list[float]  # per pool: blocks used / blocks, over its serving replicas
+    starting: list[int] = field(default_factory=list)  # per pool: asked for, not serving yet
+    draining: list[int] = field(default_factory=list)  # per pool: of `replicas`, draining
+    # Fleet-wide, since the start: interactive requests arrived, finished, refused, and
+    # finished within both p99 targets (differences between samples give a window's).
+    interactive_arrived: int = 0
+    interactive_finished: int = 0
+    interactive_refused: int = 0
+    interactive_met: int = 0
+    # Per batch job submitted by then: output tokens of its finished requests.
+    batch_output_tokens: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass

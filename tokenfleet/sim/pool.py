@@ -95,6 +95,12 @@ class Pool:
         """Replicas the autoscaler counts: serving and starting."""
         return len(self.serving) + self.num_starting
 
+    def kv_usage(self, now: float) -> float:
+        """KV blocks in use over the blocks of the replicas up (serving and draining)."""
+        live = self.replicas.values()
+        total = sum(r.kv.pool.num_blocks for r in live)
+        return sum(r.blocks_used(now) for r in live) / total if total else 0.0
+
     def take_window(self) -> tuple[float | None, int]:
         """(SLO attainment, batch output tokens) since the last call."""
         attainment = self.window_met / self.window_finished if self.window_finished else None

@@ -3,21 +3,25 @@ PNG (matplotlib, imported only to draw).
 
 Per policy: TTFT and TPOT p50/p90/p99 by class, whether the design's targets are met,
 SLO attainment (interactive requests within both p99 targets, of those finished or
-refused), tokens per
-accelerator-hour, batch jobs done against their deadlines, and replicas and KV use over
-time. A sampled run's totals (requests, tokens, accelerator-hours, replicas, a job's
-requests) are scaled back to the fleet it stands for; its percentiles and ratios are
-its own; engine steps and wall time are the sample's (what the simulation did).
+refused), tokens per accelerator-hour, batch jobs done against their deadlines, each
+autoscaled pool's decisions counted by reason, and over time: replicas (serving,
+starting, draining) and KV use per pool, interactive requests arrived, finished and
+within targets, and batch output tokens done per job. A sampled run's totals (requests,
+tokens, accelerator-hours, replicas, a job's requests) are scaled back to the fleet it
+stands for; its percentiles and ratios are its own; engine steps and wall time are the
+sample's (what the simulation did).
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tokenfleet.fleet.autoscaler import ScaleDecision
 from tokenfleet.loadgen.report import percentile
 from tokenfleet.sim.metrics import ClassLog, Targets
 from tokenfleet.sim.run import PolicyResult
@@ -60,6 +64,20 @@ def _sampling(sampling: Sampling | None) -> dict[str, Any] | None:
         "simulated_replicas": sampling.num_simulated,
         "replicas": sampling.num_replicas,
         "traffic_fraction": sampling.fraction,
+    }
+
+
+def decision_counts(decisions: Sequence[ScaleDecision]) -> dict[str, Any]:
+    """A pool's autoscaler decisions: windows by reason, and the changes up and down
+    (replicas asked for and drained)."""
+    reasons = Counter(d.reason for d in decisions)
+    return {
+        "windows": len(decisions),
+        "by_reason": dict(sorted(reasons.items())),
+        "scale_ups": sum(d.target > d.num_replicas for d in decisions),
+        "scale_downs": sum(d.target < d.num_replicas for d in decisions),
+        "replicas_added": sum(max(d.target - d.num_replicas, 0) for d in decisions),
+        "replicas_removed": sum(max(d.num_replicas - d.target, 0) for d in decisions),
     }
 
 
@@ -108,8 +126,18 @@ def summarize(result: PolicyResult, targets: Targets) -> dict[str, Any]:
         "timeline": {
             "time_s": [s.time_s for s in m.samples],
             "replicas": [[total(n) for n in s.replicas] for s in m.samples],
+            "starting": [[total(n) for n in s.starting] for s in m.samples],
+            "draining": [[total(n) for n in s.draining] for s in m.samples],
             "kv_usage": [s.kv_usage for s in m.samples],
+            "interactive_arrived": [total(s.interactive_arrived) for s in m.samples],
+            "interactive_finished": [total(s.interactive_finished) for s in m.samples],
+            "interactive_refused": [total(s.interactive_refused) for s in m.samples],
+            "interactive_met": [total(s.interactive_met) for s in m.samples],
+            "batch_output_tokens": [
+                {str(job): total(n) for job, n in s.batch_output_tokens.items()} for s in m.samples
+            ],
         },
+        "autoscaler": {pool: decision_counts(d) for pool, d in result.decisions.items()},
         "engine_steps": m.num_steps,
         "steps_leapt": m.num_leap_steps,
         "wall_s": result.wall_s,
@@ -143,6 +171,13 @@ def format_table(summaries: Sequence[dict[str, Any]]) -> str:
             lines.append(
                 f"{'':<10}batch job {job['job']}: {job['done_by_deadline']}/{job['requests']} "
                 f"done by its deadline ({job['done']} done in all)"
+            )
+        for pool, counts in s.get("autoscaler", {}).items():
+            reasons = ", ".join(f"{k} {v}" for k, v in counts["by_reason"].items())
+            lines.append(
+                f"{'':<10}autoscaler {pool}: {counts['windows']} windows ({reasons}); "
+                f"{counts['replicas_added']} replicas asked for, {counts['replicas_removed']} "
+                "drained"
             )
         sample = s.get("sampling")
         lines.append(

@@ -6,6 +6,10 @@ lengths (loadgen's sample_length, up to 16,000 tokens). Most prompts start with 
 few shared system prompts, so prefix caching and prefix-aware routing matter. Batch jobs
 of up to 100,000 requests arrive at set times with a deadline (24 h by default).
 
+An hour of the curve lasts `hour_s` simulated seconds: 3,600 for a real day, less for a
+compressed one (the curve's shape in less time; every request still takes its real time,
+so against the curve requests last `compression` times longer).
+
 Every draw comes from the seed, each concern from its own stream, and requests are made
 lazily: a day of arrivals is never held in memory at once. A request is an Arrival (its
 lengths and shared prefix); its token ids are made by prompt_token_ids.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenfleet.loadgen.workload import LENGTH_DISTS, MAX_LEN, MIN_LEN, fit_context, sample_length
 
@@ -106,6 +110,7 @@ class InteractiveWorkload:
     peak_rate: float = 10.0  # requests per second at the curve's peak, fleet-wide
     daily_curve: tuple[float, ...] = DEFAULT_DAILY_CURVE
     start_hour: float = 0.0  # the hour of day the simulation starts at
+    hour_s: float = 3600.0  # simulated seconds an hour of the curve lasts (< 3600: compressed)
     lengths: Lengths = Lengths(max_prompt_len=4000)
     prompts: SharedPrompts = SharedPrompts()
 
@@ -114,10 +119,26 @@ class InteractiveWorkload:
             raise ValueError("peak_rate must be >= 0 and daily_curve not empty")
         if any(not 0 <= f <= 1 for f in self.daily_curve):
             raise ValueError("daily_curve factors must be in [0, 1] (of the peak rate)")
+        hour_s = self.hour_s  # NaN and infinity fail the range too
+        if (
+            isinstance(hour_s, bool)
+            or not isinstance(hour_s, int | float)
+            or not 0 < hour_s <= 3600
+        ):
+            raise ValueError(
+                "hour_s (simulated seconds an hour of the daily curve lasts) must be a number "
+                f"in (0, 3600], got {self.hour_s!r}"
+            )
+
+    @property
+    def compression(self) -> float:
+        """How many times faster than a real day the curve runs (1 for hour_s = 3600)."""
+        return DAY_S / 24 / self.hour_s
 
     def rate_at(self, t: float) -> float:
-        """Requests per second at `t` seconds into the run (hours of the curve, cyclic)."""
-        hour = (self.start_hour + t / 3600) % 24
+        """Requests per second at `t` simulated seconds into the run (hours of the curve,
+        each `hour_s` long, cyclic)."""
+        hour = (self.start_hour + t / self.hour_s) % 24
         slot = int(hour * len(self.daily_curve) / 24) % len(self.daily_curve)
         return self.peak_rate * self.daily_curve[slot]
 
@@ -133,6 +154,14 @@ class BatchJob:
     def __post_init__(self) -> None:
         if not 1 <= self.num_requests <= 100_000:
             raise ValueError(f"a batch job has 1 to 100,000 requests, got {self.num_requests}")
+
+    def on_clock_of(self, workload: InteractiveWorkload) -> BatchJob:
+        """The job with its submit_s and deadline_s, given on a real day's clock, put on
+        the workload's: divided by its compression (a 24 h deadline is a day of the curve)."""
+        factor = workload.compression
+        if factor == 1:
+            return self
+        return replace(self, submit_s=self.submit_s / factor, deadline_s=self.deadline_s / factor)
 
 
 def interactive_arrivals(
@@ -173,6 +202,6 @@ def batch_requests(job: BatchJob, job_id: int, first_index: int, seed: int) -> I
 
 
 def daily_volume(workload: InteractiveWorkload) -> float:
-    """Interactive requests expected in one day."""
+    """Interactive requests expected in one day of the curve (24 x hour_s seconds)."""
     hours = len(workload.daily_curve)
-    return workload.peak_rate * sum(workload.daily_curve) * DAY_S / hours
+    return workload.peak_rate * sum(workload.daily_curve) * 24 * workload.hour_s / hours
