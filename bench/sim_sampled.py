@@ -26,7 +26,14 @@ replica settings.
     .venv/bin/python bench/sim_sampled.py --timing-only                       # 2 min
     .venv/bin/python bench/sim_sampled.py                  # the goal's 10 min: ~2-4 h here
     .venv/bin/python bench/sim_sampled.py --samples 1,2,4 \
-        --full-from bench/results/sim_sampled.json --out /tmp/more    # more k, same full run
+        --reuse bench/results/sim_sampled.json --out /tmp/more    # more k, the same full run
+
+The full run and the samples can run in two processes, then be put together in seconds:
+
+    .venv/bin/python bench/sim_sampled.py --samples "" --out /tmp/full &
+    .venv/bin/python bench/sim_sampled.py --no-full --out /tmp/samples
+    .venv/bin/python bench/sim_sampled.py --reuse /tmp/full/sim_sampled.json \
+        --reuse /tmp/samples/sim_sampled.json
     .venv/bin/python bench/sim_sampled.py --replicas 8 --samples 2,4 --duration 20 \
         --rate-duration 20 --out /tmp/bench                               # smoke, ~1 min
 
@@ -275,7 +282,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--day-sample", type=int, default=8, help="k for the day when it is run")
     add("--day-budget-s", type=float, default=1500.0, help="run the day if it fits this")
     add("--seed", type=int, default=0)
-    add("--full-from", type=Path, help="reuse the full run of this earlier result's validation")
+    add(
+        "--reuse",
+        type=Path,
+        action="append",
+        default=[],
+        help="an earlier result whose validation runs are taken, not run again (repeatable)",
+    )
+    add(
+        "--no-full",
+        action="store_true",
+        help="the samples only (beside a full run in another process; then --reuse both)",
+    )
     add("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args(argv)
     args.samples = [int(k) for k in args.samples.split(",") if k]
@@ -286,27 +304,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def full_run(args: argparse.Namespace) -> dict[str, Any]:
-    """The full fleet's run from an earlier result (--full-from), for more sample sizes
-    against it; its replicas, duration, workload and seed must be this run's."""
-    earlier = json.loads(args.full_from.read_text())
-    full: dict[str, Any] = earlier["validation"]["runs"][0]
+def reused_runs(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Validation runs of earlier results (--reuse), by label ("full 64", "sample 8/64"):
+    taken instead of simulating the same run again. Each result's replicas, duration,
+    workload and seed must be this run's."""
+    found: dict[str, dict[str, Any]] = {}
     same = ("replicas", "duration", "peak_per_replica", "batch_per_replica_day", "tpot_target")
-    differ = [k for k in (*same, "seed") if earlier["args"][k] != getattr(args, k)]
-    if differ or not full["run"].startswith("full"):
-        sys.exit(f"--full-from {args.full_from}: another run ({', '.join(differ)} differ)")
-    log(f"{full['run']}: from {args.full_from} ({full['wall_s']:.0f} s wall then)")
-    return full
+    for path in args.reuse:
+        earlier = json.loads(path.read_text())
+        differ = [k for k in (*same, "seed") if earlier["args"][k] != getattr(args, k)]
+        if differ:
+            sys.exit(f"--reuse {path}: another run ({', '.join(differ)} differ)")
+        for r in (earlier.get("validation") or {}).get("runs", []):
+            found[r["run"]] = r
+    return found
+
+
+def reuse_or_run(
+    reused: dict[str, dict[str, Any]], config: SimConfig, label: str
+) -> dict[str, Any]:
+    if label in reused:
+        log(f"{label}: reused ({reused[label]['wall_s']:.0f} s wall then)")
+        return reused[label]
+    return run(config, label)
 
 
 def validate(args: argparse.Namespace) -> dict[str, Any]:
     """The full fleet, then each sample, compared (part 1 of the module doc)."""
     full_config = fleet_config(args, args.replicas, args.duration, 12.0)
-    log(f"validation: {args.replicas} replicas in full, then samples {args.samples}")
-    runs = [full_run(args) if args.full_from else run(full_config, f"full {args.replicas}")]
+    full = "no full run" if args.no_full else f"{args.replicas} replicas in full"
+    log(f"validation: {full}, samples {args.samples}")
+    reused = reused_runs(args)
+    runs = [] if args.no_full else [reuse_or_run(reused, full_config, f"full {args.replicas}")]
     for k in args.samples:
-        runs.append(run(sampled(full_config, k), f"sample {k}/{args.replicas}"))
-    diffs = {r["run"]: differences(runs[0], r) for r in runs[1:]}
+        label = f"sample {k}/{args.replicas}"
+        runs.append(reuse_or_run(reused, sampled(full_config, k), label))
+    diffs = {} if args.no_full else {r["run"]: differences(runs[0], r) for r in runs[1:]}
     goal = {
         name: all(d[key] is not None and abs(d[key]) <= GOAL for key, _, held in FIGURES if held)
         for name, d in diffs.items()
