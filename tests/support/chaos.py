@@ -169,14 +169,17 @@ class Gateways:
 
         return int(wait_until(new_engine, 60, "a new engine", every=0.02))
 
-    def batch_running(self) -> float:
-        """Batch requests running in the engine, by the gateway's /metrics."""
+    def batch_in_engine(self) -> float:
+        """Batch requests in the engine, running or waiting there, by the gateway's
+        /metrics: an engine death fails each of them."""
         assert self.server is not None
         metrics = httpx.get(f"{self.server.url}/metrics", timeout=HTTP_TIMEOUT_S).text
+        found = 0.0
         for line in metrics.splitlines():
-            if line.startswith('tokenfleet_num_requests_running_by_class{class="batch"} '):
-                return float(line.split()[-1])
-        return 0.0
+            for state in ("running", "waiting"):
+                if line.startswith(f'tokenfleet_num_requests_{state}_by_class{{class="batch"}} '):
+                    found += float(line.split()[-1])
+        return found
 
     def kill_engine(self, pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
