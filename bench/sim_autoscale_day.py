@@ -350,6 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--down-cooldown-s", type=float, default=300.0, help="real s; divided likewise")
     add("--tpot-target", type=float, default=0.044, help="the harvest's tpot_target_s")
     add("--seed", type=int, default=0)
+    add("--workers", type=int, default=0, help="processes (0: one a policy)")
     add("--out", type=Path, default=Path("bench/results"))
     add("--replot", action="store_true", help="table and PNG again from --out's JSON")
     args = parser.parse_args(argv)
@@ -373,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     start = RunStart.now()
     began = time.perf_counter()
     # Each policy in its own process (the runs are independent and deterministic).
-    with ProcessPoolExecutor(max_workers=len(args.policies)) as pool:
+    with ProcessPoolExecutor(max_workers=args.workers or len(args.policies)) as pool:
         runs = list(pool.map(run, [args] * len(args.policies), args.policies))
     wall_s = time.perf_counter() - began
     print(tables(runs))

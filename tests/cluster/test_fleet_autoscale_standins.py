@@ -61,7 +61,32 @@ def test_standin_gateways_window_sums_counts_once_and_levels_per_gateway_and_sto
     assert window.queued_prefill_tokens == 300 + 50 + 0  # each gateway's latest, summed
     assert window.batch_tokens_left == (10 + 5) * 100  # pending x tokens a request (1000/10)
     assert window.batch_time_left_s == 300.0
-    assert window.batch_tokens_per_replica_s == 1000 / 2 / 8.0
+    assert window.batch_tokens_per_replica_s == 0.0  # the backlog's first window: unmeasured
+
+
+def test_standin_gateways_batch_rate_counts_tokens_generated_once_pending_a_whole_window() -> None:
+    scaler = FleetAutoscaler(CONFIG)  # windows of 10 s
+    store = {"store": "sqlite:///s", "batch_deadline_s": 1000.0}
+    scaler.report(report("a", **store), 0.0)  # the first window opens: no batch
+    # A job arrives within it: tokens are generated, none of its requests has ended.
+    job = {**store, "num_batch_pending": 50}
+    scaler.report(report("a", batch_tokens_generated=400, **job), 6.0)
+    first = scaler.window(9.0)
+    assert first.batch_tokens_left == 0  # no request has ended yet: no mean output
+    scaler.report(report("a", batch_output_tokens=50, num_batch_finished=1, **job), 9.0)
+    first = scaler.window(9.0)
+    assert first.batch_tokens_left == 50 * 50  # 50 pending at 50 tokens a request
+    assert first.batch_tokens_per_replica_s == 0.0  # ran 3 s of 9: unmeasured
+    scaler.report(report("a", batch_tokens_generated=200, **job), 10.0)  # closes it
+    # A backlog of 2,500 tokens and no rate: held, not sent to max_replicas.
+    assert scaler.policy.history[-1].reason == "hold" and scaler.pending is None
+    scaler.report(report("a", batch_tokens_generated=900, **job), 15.0)
+    scaler.report(report("b", batch_tokens_generated=300, **job), 16.0)  # another gateway's
+    assert scaler.window(18.0).batch_tokens_per_replica_s == (900 + 300) / 2 / 8.0
+    # The backlog done: the next window's rate is unmeasured again.
+    scaler.report(report("a", **store), 20.0)  # closes the second window
+    scaler.report(report("a", batch_tokens_generated=100, **store), 25.0)
+    assert scaler.window(26.0).batch_tokens_per_replica_s == 0.0
 
 
 def test_standin_gateways_silent_gateway_left_out_and_leader_taken_over() -> None:
@@ -189,8 +214,9 @@ def test_window_counts_met_by_ttft_and_mean_tpot() -> None:
     counts.finished(True, ttft_s=0.2, e2e_s=0.2 + 9 * 0.2, num_output=10)  # TPOT over
     counts.finished(True, ttft_s=0.3, e2e_s=0.3, num_output=1)  # one token: TTFT alone
     counts.finished(False, ttft_s=9.0, e2e_s=20.0, num_output=64)  # batch: its tokens
-    assert counts.take() == (4, 2, 64, 1)
-    assert counts.take() == (0, 0, 0, 0)
+    counts.batch_tokens_generated += 70  # as GenerationService counts them, ended or not
+    assert counts.take() == (4, 2, 64, 1, 70)
+    assert counts.take() == (0, 0, 0, 0, 0)
 
 
 @pytest.mark.fake("store: rows written straight into the table")

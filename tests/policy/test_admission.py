@@ -515,6 +515,8 @@ def test_service_keeps_its_requests_in_flight_until_first_token_and_end(
         engine.outputs[chat_id].put_nowait(EngineCoreOutput(chat_id, [42]))
         engine.outputs[batch_id].put_nowait(EngineCoreOutput(batch_id, [42]))
         await asyncio.gather(tasks[0], tasks[1])
+        # The autoscaler's batch rate counts batch tokens as they arrive, not at the end.
+        assert service.window.batch_tokens_generated == 1
         assert requests.prompts_ahead() == [50]
         assert requests.decodes(interactive=True) == Decodes(1, 301)
         assert requests.decodes(interactive=False) == Decodes(1, 701)
@@ -524,6 +526,9 @@ def test_service_keeps_its_requests_in_flight_until_first_token_and_end(
         assert requests.prompts_ahead() == []
         engine.outputs[chat_id].put_nowait(EngineCoreOutput(chat_id, [43], finish_reason="stop"))
         assert (await anext(chat)).finish_reason == "stop"
+        engine.outputs[batch_id].put_nowait(EngineCoreOutput(batch_id, [44, 45]))
+        await anext(batch)
+        assert service.window.take()[1:] == (0, 0, 0, 3)  # one chat ended, met; 3 batch made
         await chat.aclose()
         await batch.aclose()
         assert len(requests) == 0

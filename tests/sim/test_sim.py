@@ -15,6 +15,7 @@ import pytest
 import tokenfleet.core.scheduler
 import tokenfleet.sim.dispatch
 from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.fleet.autoscaler import Autoscaler, FleetWindow
 from tokenfleet.fleet.leasing import lease_room
 from tokenfleet.fleet.router import Router, RouterConfig
 from tokenfleet.loadgen.report import percentile
@@ -388,6 +389,47 @@ def test_autoscaled_pool_grows_under_load_without_asking_twice_for_a_starting_re
     assert [s.replicas[0] for s in samples][6:9] == [1, 2, 2]
     assert [s.starting[0] for s in samples][:14] == [0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0]
     assert [s.draining[0] for s in samples] == [0] * len(samples)
+
+
+def test_autoscaled_batch_rate_is_unmeasured_in_a_jobs_first_window_not_near_zero(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch rate counts tokens as they are generated, over windows with batch pending
+    at both ends: in the window a job arrives in it is unmeasured (the policy holds), where
+    counting tokens of requests ended would read near zero and send the pool to
+    max_replicas (8 here: what this run did before)."""
+    windows: list[FleetWindow] = []
+    decide = Autoscaler.decide
+
+    def recording(self: Autoscaler, window: FleetWindow) -> int:
+        windows.append(window)
+        return decide(self, window)
+
+    monkeypatch.setattr(Autoscaler, "decide", recording)
+    lengths = {"prompt_median": 400, "output_median": 1500, "max_model_len": 4096}
+    config = small_config(
+        duration_s=150.0,
+        batch_jobs=[{"num_requests": 300, "submit_s": 12, "deadline_s": 300, "lengths": lengths}],
+        autoscaler={
+            "min_replicas": 1, "max_replicas": 8, "window_s": 5.0, "startup_s": 5.0,
+            "up_cooldown_s": 0.0, "down_cooldown_s": 0.0, "down_windows": 2,
+        },
+    )  # fmt: skip
+    result = simulate(config, config.policies[0])
+    decisions = [(d.now_s, d.target, d.reason) for d in result.decisions["priority"]]
+    assert decisions[1:6] == [
+        (10.0, 1, "calm"),
+        (15.0, 1, "hold"),  # the job arrived at 12 s: a backlog, no rate yet
+        (20.0, 1, "hold"),  # measured: one replica is enough so far
+        (25.0, 2, "deadline"),
+        (30.0, 5, "deadline"),
+    ]
+    first, second = windows[2], windows[3]
+    assert first.batch_tokens_left > 500_000 and first.batch_tokens_per_replica_s == 0.0
+    assert second.batch_tokens_per_replica_s > 1000  # a whole window's tokens, one replica
+    assert max(target for _, target, _ in decisions) == 5
+    (job,) = result.jobs
+    assert job.num_done_in_time == 300
 
 
 def test_config_errors_name_the_setting() -> None:

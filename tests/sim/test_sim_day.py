@@ -85,13 +85,14 @@ def test_a_bad_hour_s_is_refused_naming_it(bad: Any) -> None:
 
 
 def test_samples_count_draining_replicas_until_they_retire() -> None:
-    """Three replicas, batch only, a calm window drains one each 5 s: the first drained
-    still holds batch requests (draining at 5 s, counted in `replicas`), the second is
-    idle by 10 s, so it goes at once."""
+    """Three replicas, batch only, a calm window drains one each 5 s once the batch rate is
+    measured (the job's first window, to 5 s, holds): the first drained still holds batch
+    requests (draining at 10 s, counted in `replicas`), the second is idle by 15 s, so it
+    goes at once."""
     config = small_config(
         duration_s=30.0,
         interactive={"peak_rate": 0.0},
-        batch_jobs=[{"num_requests": 40, "lengths": {"output_median": 300, "max_model_len": 4096}}],
+        batch_jobs=[{"num_requests": 80, "lengths": {"output_median": 300, "max_model_len": 4096}}],
         autoscaler={
             "min_replicas": 1,
             "max_replicas": 3,
@@ -104,17 +105,17 @@ def test_samples_count_draining_replicas_until_they_retire() -> None:
     result = simulate(config, config.policies[0])
     samples = result.metrics.samples
     assert [s.time_s for s in samples] == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0]
-    assert [s.replicas for s in samples] == [[3], [3], [1], [1], [1], [1]]
-    assert [s.draining for s in samples] == [[0], [1], [0], [0], [0], [0]]
+    assert [s.replicas for s in samples] == [[3], [3], [3], [1], [1], [1]]
+    assert [s.draining for s in samples] == [[0], [0], [1], [0], [0], [0]]
     assert [s.starting for s in samples] == [[0]] * 6
-    # Batch output tokens of the job's finished requests; all 40 are done by 10 s.
+    # Batch output tokens of the job's finished requests; all 80 are done by 15 s.
     (job,) = result.jobs
-    assert job.num_done == 40 and job.last_done_at is not None and job.last_done_at < 10.0
+    assert job.num_done == 80 and job.last_done_at is not None and 10.0 < job.last_done_at < 15.0
     total = sum(a.output_len for a in batch_requests(config.batch_jobs[0], 0, 0, config.seed))
     tokens = [s.batch_output_tokens[0] for s in samples]
-    assert tokens[0] == 0 and 0 < tokens[1] < total and tokens[2:] == [total] * 4
+    assert tokens[0] == 0 and 0 < tokens[1] < tokens[2] < total and tokens[3:] == [total] * 3
     summary = summarize(result, config.targets)
-    assert summary["timeline"]["draining"] == [[0], [1], [0], [0], [0], [0]]
+    assert summary["timeline"]["draining"] == [[0], [0], [1], [0], [0], [0]]
     assert summary["timeline"]["batch_output_tokens"][-1] == {"0": total}
     assert summary["autoscaler"] == {
         "priority": {

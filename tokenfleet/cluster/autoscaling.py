@@ -12,11 +12,12 @@ run once for the fleet however many gateways serve it, and the gateways' side of
 - **What each gateway reports** (GatewayReport): counts since its previous report, summed
   by the autoscaler (each request finishes in one gateway: nothing is counted twice) —
   interactive requests finished and those within the TTFT and TPOT targets, batch output
-  tokens made; and levels, of which the autoscaler keeps each gateway's latest — its
-  queued interactive prefill (its router's, for the requests it routed: summed over the
-  gateways), the batch store's pending requests and earliest deadline (one value per
-  store, not per gateway: gateways sharing a PostgreSQL report the same one), and the
-  replicas it counts starting and ready.
+  tokens generated (as they reach the gateway: the batch rate) and those of the batch
+  requests ended (for the mean output of one); and levels, of which the autoscaler keeps
+  each gateway's latest — its queued interactive prefill (its router's, for the requests
+  it routed: summed over the gateways), the batch store's pending requests and earliest
+  deadline (one value per store, not per gateway: gateways sharing a PostgreSQL report
+  the same one), and the replicas it counts starting and ready.
 - **Applied once**: the replica counts a window sees, and the orders, are the *leader's*:
   the gateway that reported first, or last scaled by hand, or the next to report once the
   leader has been silent for `STALE_REPORTS` report intervals. An order is handed out
@@ -85,11 +86,12 @@ class GatewayReport:
     num_finished: int = 0  # interactive requests finished since the previous report
     num_met: int = 0  # of those, within the TTFT and TPOT targets
     queued_prefill_tokens: int = 0  # now: routed by this gateway, not yet prefilled
-    batch_output_tokens: int = 0  # since the previous report
+    batch_output_tokens: int = 0  # since the previous report, of the batch requests ended
     num_batch_finished: int = 0  # since the previous report
     store: str | None = None  # the batch store it reads, as an identity
     num_batch_pending: int = 0  # now: queued or leased in that store
     batch_deadline_s: float | None = None  # now: seconds to its earliest pending deadline
+    batch_tokens_generated: int = 0  # since the previous report, as they were generated
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,7 @@ class FleetAutoscaler:
         self.window_start: float | None = None
         self.num_finished = self.num_met = self.batch_tokens = 0
         self.total_batch_tokens = self.total_batch_finished = 0  # for tokens a request
+        self.batch_was_pending = False  # at the previous window's close
         self.pending: Order | None = None
         self.seq = 0
         self.events: deque[dict[str, Any]] = deque(maxlen=NUM_EVENTS_KEPT)
@@ -146,7 +149,7 @@ class FleetAutoscaler:
             self.stores[report.store] = _Heard(report, now)
         self.num_finished += report.num_finished
         self.num_met += report.num_met
-        self.batch_tokens += report.batch_output_tokens
+        self.batch_tokens += report.batch_tokens_generated
         self.total_batch_tokens += report.batch_output_tokens
         self.total_batch_finished += report.num_batch_finished
         if self.window_start is None:
@@ -186,10 +189,14 @@ class FleetAutoscaler:
         num_starting = lead.num_starting if lead is not None else 0
         stores = [h.report for h in self.stores.values() if now - h.at <= self.stale_s]
         per_request = self.total_batch_tokens / max(self.total_batch_finished, 1)
-        pending = sum(r.num_batch_pending for r in stores)
+        pending = self._batch_pending(now)
         deadlines = [r.batch_deadline_s for r in stores if r.batch_deadline_s is not None]
         elapsed = now - (self.window_start if self.window_start is not None else now)
         ready = max(num_replicas - num_starting, 1)
+        # Measured only over a window with batch pending at both ends: in a backlog's first
+        # window the batch ran for part of it (0: unmeasured, the policy holds).
+        measured = self.batch_was_pending and pending > 0
+        rate = self.batch_tokens / ready / max(elapsed, 1e-9) if measured else 0.0
         return FleetWindow(
             now_s=now,
             num_replicas=num_replicas,
@@ -198,7 +205,13 @@ class FleetAutoscaler:
             queued_prefill_tokens=sum(r.queued_prefill_tokens for r in fresh),
             batch_tokens_left=math.ceil(pending * per_request),
             batch_time_left_s=min(deadlines, default=0.0),
-            batch_tokens_per_replica_s=self.batch_tokens / ready / max(elapsed, 1e-9),
+            batch_tokens_per_replica_s=rate,
+        )
+
+    def _batch_pending(self, now: float) -> int:
+        """Batch requests queued or leased, summed over the stores heard from lately."""
+        return sum(
+            h.report.num_batch_pending for h in self.stores.values() if now - h.at <= self.stale_s
         )
 
     def _close(self, now: float) -> None:
@@ -219,6 +232,7 @@ class FleetAutoscaler:
             }
         )
         self.window_start = now
+        self.batch_was_pending = self._batch_pending(now) > 0
         self.num_finished = self.num_met = self.batch_tokens = 0
         if target != window.num_replicas:
             self.seq += 1

@@ -80,6 +80,7 @@ class FleetWindow:
     batch_tokens_left: int  # output tokens of batch requests not yet done
     batch_time_left_s: float  # until the earliest pending deadline
     batch_tokens_per_replica_s: float  # batch output tokens a ready replica made per second
+    # (0: not measured yet; the backlog then holds the count)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_starting <= self.num_replicas:

@@ -4,7 +4,10 @@ FleetWindow field comes from, as this gateway sees it.
     num_finished, num_met     WindowCounts, told by GenerationService as each interactive
                               request ends: met = TTFT <= --ttft-target and its mean time
                               per output token <= --tpot-target
-    batch_output_tokens       WindowCounts, as each batch request ends here
+    batch_tokens_generated    WindowCounts, as each batch request's tokens reach this
+                              gateway (the batch rate)
+    batch_output_tokens,      WindowCounts, as each batch request ends here (the mean
+      num_batch_finished      output of a batch request, for the backlog's tokens)
     queued_prefill_tokens     the FleetClient's router: prompt tokens this gateway routed
                               that the replica has not prefilled yet
     num_replicas, starting    the FleetClient's links (Scaler.size: starting or ready)
@@ -36,6 +39,7 @@ class WindowCounts:
         self.tpot_target_s = tpot_target_s
         self.num_finished = self.num_met = 0
         self.batch_output_tokens = self.num_batch_finished = 0
+        self.batch_tokens_generated = 0  # added to by GenerationService as tokens arrive
 
     def finished(self, interactive: bool, ttft_s: float, e2e_s: float, num_output: int) -> None:
         """One request ended with its last token: `ttft_s` and `e2e_s` from its arrival."""
@@ -47,15 +51,18 @@ class WindowCounts:
         self.num_finished += 1
         self.num_met += ttft_s <= self.ttft_target_s and tpot_s <= self.tpot_target_s
 
-    def take(self) -> tuple[int, int, int, int]:
-        """(finished, met, batch output tokens, batch finished) since the last take."""
+    def take(self) -> tuple[int, int, int, int, int]:
+        """(finished, met, batch output tokens of those ended, batch ended, batch tokens
+        generated) since the last take."""
         taken = (
             self.num_finished,
             self.num_met,
             self.batch_output_tokens,
             self.num_batch_finished,
+            self.batch_tokens_generated,
         )
         self.num_finished = self.num_met = self.batch_output_tokens = self.num_batch_finished = 0
+        self.batch_tokens_generated = 0
         return taken
 
 
@@ -79,7 +86,7 @@ class GatewayWindow:
 
     async def __call__(self) -> GatewayReport:
         pending, deadline_s = await asyncio.to_thread(batch_backlog, self.store, time.time())
-        finished, met, batch_tokens, batch_finished = self.counts.take()
+        finished, met, batch_tokens, batch_finished, generated = self.counts.take()
         links = self.client.links.values()
         return GatewayReport(
             gateway_id=self.client.gateway_id,
@@ -90,6 +97,7 @@ class GatewayWindow:
             queued_prefill_tokens=self.client.router.queued_prefill_tokens,
             batch_output_tokens=batch_tokens,
             num_batch_finished=batch_finished,
+            batch_tokens_generated=generated,
             store=self.store_id,
             num_batch_pending=pending,
             batch_deadline_s=deadline_s,

@@ -334,6 +334,8 @@ class GenerationService:
                     last = now
                     num_output += len(out.new_token_ids)
                     later(self.metrics.generation_tokens.inc, len(out.new_token_ids))
+                    if not interactive:
+                        self.window.batch_tokens_generated += len(out.new_token_ids)
                     shown = out.new_token_ids
                     if out.stop_token_id is not None:
                         shown = shown[:-1]

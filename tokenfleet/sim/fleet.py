@@ -205,7 +205,7 @@ class Simulation:
                     pool.window_met += met
                 else:
                     pool.batch_in_flight[replica_id] -= 1
-                    pool.window_batch_tokens += arrival.output_len
+                    pool.batch_tokens_done += arrival.output_len
                     job = self.backlog.jobs[arrival.job_id]
                     job.num_done += 1
                     job.num_done_in_time += time <= job.deadline_at
@@ -297,9 +297,10 @@ class Simulation:
         assert scaler is not None
         config = scaler.config
         self._push(self.now + config.window_s, TICK, pool)
-        attainment, batch_tokens = pool.take_window()
         jobs = self.backlog.jobs.values() if pool.spec.batch else ()
         pending = [j for j in jobs if not j.done]
+        attainment, batch_tokens = pool.take_window(bool(pending))
+        num_up = max(len(pool.replicas), 1)
         window = FleetWindow(
             now_s=self.now,
             num_replicas=pool.size,
@@ -308,8 +309,9 @@ class Simulation:
             queued_prefill_tokens=self.routers[pool.index].queued_prefill_tokens,
             batch_tokens_left=sum(_tokens_left(j) for j in pending),
             batch_time_left_s=min((j.deadline_at - self.now for j in pending), default=0.0),
-            # Made by the replicas up now (serving or draining), not those starting.
-            batch_tokens_per_replica_s=batch_tokens / max(len(pool.replicas), 1) / config.window_s,
+            # Made as they were generated, by the replicas up now (serving or draining, not
+            # starting); 0 (unmeasured: the policy holds) in a backlog's first window.
+            batch_tokens_per_replica_s=(batch_tokens or 0) / num_up / config.window_s,
         )
         target = scaler.decide(window)
         for _ in range(target - pool.size):

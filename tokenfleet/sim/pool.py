@@ -80,11 +80,14 @@ class Pool:
     started_at: dict[int, float] = field(default_factory=dict)
     batch_in_flight: dict[int, int] = field(default_factory=dict)
     scaler: Autoscaler | None = field(init=False)
-    # The autoscaler's window: interactive requests finished and those within targets,
-    # batch output tokens made.
+    # The autoscaler's window: interactive requests finished and those within targets;
+    # batch output tokens of the requests finished (ever), those made by the previous
+    # window's end, and whether batch work was pending then.
     window_finished: int = 0
     window_met: int = 0
-    window_batch_tokens: int = 0
+    batch_tokens_done: int = 0
+    batch_tokens_seen: int = 0
+    batch_was_pending: bool = False
 
     def __post_init__(self) -> None:
         config = self.spec.autoscaler
@@ -101,9 +104,26 @@ class Pool:
         total = sum(r.kv.pool.num_blocks for r in live)
         return sum(r.blocks_used(now) for r in live) / total if total else 0.0
 
-    def take_window(self) -> tuple[float | None, int]:
-        """(SLO attainment, batch output tokens) since the last call."""
+    def batch_tokens_made(self) -> int:
+        """Batch output tokens made so far: by the requests finished, and so far by those
+        in the replicas (as of each replica's last step it applied: a leap's steps count
+        once it is cut or ends)."""
+        live = self.replicas.values()
+        in_flight = sum(
+            r.num_output_tokens
+            for replica in live
+            for r in replica.scheduler.requests.values()
+            if not r.is_interactive
+        )
+        return self.batch_tokens_done + in_flight
+
+    def take_window(self, batch_pending: bool) -> tuple[float | None, int | None]:
+        """(SLO attainment, batch output tokens made) since the last call; the tokens are
+        None unless batch work was pending at both ends of the window (a backlog that
+        arrived within it ran for only part of it: its rate is not measured yet)."""
         attainment = self.window_met / self.window_finished if self.window_finished else None
-        tokens = self.window_batch_tokens
-        self.window_finished = self.window_met = self.window_batch_tokens = 0
+        made = self.batch_tokens_made()
+        tokens = made - self.batch_tokens_seen if self.batch_was_pending and batch_pending else None
+        self.batch_tokens_seen, self.batch_was_pending = made, batch_pending
+        self.window_finished = self.window_met = 0
         return attainment, tokens
