@@ -7,6 +7,7 @@ thing is tests/cluster/test_fleet_autoscale.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,29 +65,43 @@ def test_standin_gateways_window_sums_counts_once_and_levels_per_gateway_and_sto
     assert window.batch_tokens_per_replica_s == 0.0  # the backlog's first window: unmeasured
 
 
-def test_standin_gateways_batch_rate_counts_tokens_generated_once_pending_a_whole_window() -> None:
-    scaler = FleetAutoscaler(CONFIG)  # windows of 10 s
+def test_standin_gateways_batch_rate_counts_tokens_generated_over_fed_settled_windows() -> None:
+    """BatchRateMeter through the gateways' reports: tokens as generated, summed over the
+    gateways; measured only over a window with batch requests queued at both ends and the
+    ready replicas unchanged, `batch_settle_s` (a window here) after either began."""
+    config = dataclasses.replace(CONFIG, batch_settle_s=10.0)
+    scaler = FleetAutoscaler(config)  # windows of 10 s, closed by the report that ends one
     store = {"store": "sqlite:///s", "batch_deadline_s": 1000.0}
+    job = {**store, "num_batch_pending": 50, "num_batch_queued": 30}
+    rates: list[float] = []
+
+    def window(at: float, *reports: GatewayReport) -> None:
+        for r in reports:
+            scaler.report(r, at - 1.0)
+        rates.append(scaler.window(at).batch_tokens_per_replica_s)
+        counts = {"batch_tokens_generated": 0, "num_batch_finished": 0, "batch_output_tokens": 0}
+        scaler.report(dataclasses.replace(reports[0], **counts), at)  # levels alike: closes it
+
     scaler.report(report("a", **store), 0.0)  # the first window opens: no batch
     # A job arrives within it: tokens are generated, none of its requests has ended.
-    job = {**store, "num_batch_pending": 50}
-    scaler.report(report("a", batch_tokens_generated=400, **job), 6.0)
-    first = scaler.window(9.0)
-    assert first.batch_tokens_left == 0  # no request has ended yet: no mean output
-    scaler.report(report("a", batch_output_tokens=50, num_batch_finished=1, **job), 9.0)
-    first = scaler.window(9.0)
-    assert first.batch_tokens_left == 50 * 50  # 50 pending at 50 tokens a request
-    assert first.batch_tokens_per_replica_s == 0.0  # ran 3 s of 9: unmeasured
-    scaler.report(report("a", batch_tokens_generated=200, **job), 10.0)  # closes it
-    # A backlog of 2,500 tokens and no rate: held, not sent to max_replicas.
-    assert scaler.policy.history[-1].reason == "hold" and scaler.pending is None
-    scaler.report(report("a", batch_tokens_generated=900, **job), 15.0)
-    scaler.report(report("b", batch_tokens_generated=300, **job), 16.0)  # another gateway's
-    assert scaler.window(18.0).batch_tokens_per_replica_s == (900 + 300) / 2 / 8.0
-    # The backlog done: the next window's rate is unmeasured again.
-    scaler.report(report("a", **store), 20.0)  # closes the second window
-    scaler.report(report("a", batch_tokens_generated=100, **store), 25.0)
-    assert scaler.window(26.0).batch_tokens_per_replica_s == 0.0
+    window(10.0, report("a", batch_tokens_generated=400, **job))
+    assert scaler.window(10.0).batch_tokens_left == 0  # no request has ended: no mean yet
+    window(20.0, report("a", batch_tokens_generated=600, num_batch_finished=1,
+                        batch_output_tokens=50, **job))  # fmt: skip
+    # Fed since 10 s, settled from 20 s: the third window is measured, both gateways'.
+    window(30.0, report("a", batch_tokens_generated=900, **job),
+           report("b", batch_tokens_generated=300, **job))  # fmt: skip
+    assert rates == [0.0, 0.0, (900 + 300) / 2 / 10.0]
+    assert scaler.policy.history[1].reason == "hold"  # a backlog of 2,500 tokens, no rate
+    # A replica more: unmeasured until it has settled too.
+    window(40.0, report("a", batch_tokens_generated=800, num_replicas=3, **job))
+    window(50.0, report("a", batch_tokens_generated=800, num_replicas=3, **job))
+    window(60.0, report("a", batch_tokens_generated=1200, num_replicas=3, **job))
+    assert rates[3:] == [0.0, 0.0, 1200 / 3 / 10.0]
+    # The tail: every request is on a replica (none queued): more cannot make it sooner.
+    tail = {**store, "num_batch_pending": 5, "num_batch_queued": 0}
+    window(70.0, report("a", batch_tokens_generated=500, num_replicas=3, **tail))
+    assert rates[-1] == 0.0
 
 
 def test_standin_gateways_silent_gateway_left_out_and_leader_taken_over() -> None:
@@ -226,7 +241,7 @@ def test_batch_backlog_counts_queued_and_leased_and_earliest_deadline(tmp_path: 
     from tokenfleet.batch.schema import batch_requests, batches
 
     store = BatchStore(f"sqlite:///{tmp_path / 'b.db'}")
-    assert batch_backlog(store, 1000.0) == (0, None)
+    assert batch_backlog(store, 1000.0) == (0, 0, None)
     with store.engine.begin() as conn:
         conn.execute(
             insert(batches),
@@ -243,5 +258,5 @@ def test_batch_backlog_counts_queued_and_leased_and_earliest_deadline(tmp_path: 
               "status": status, "deadline": deadline, "submitted_at": 0.0, "attempts": 0,
               "lease_epoch": 0} for i, (status, deadline) in enumerate(rows)],
         )  # fmt: skip
-    assert batch_backlog(store, 1000.0) == (3, 500.0)
+    assert batch_backlog(store, 1000.0) == (3, 2, 500.0)  # pending, queued, deadline
     store.close()

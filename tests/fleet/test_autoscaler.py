@@ -14,6 +14,7 @@ from tokenfleet.fleet.autoscaler import (
     Autoscaler,
     AutoscalerConfig,
     AutoscalerState,
+    BatchRateMeter,
     FleetWindow,
     ScaleDecision,
     batch_replicas_needed,
@@ -199,6 +200,29 @@ def test_windows_and_configs_are_checked_at_construction() -> None:
         AutoscalerConfig(up_cooldown_s=-1.0)
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
         AutoscalerConfig(min_replicas=5, max_replicas=4)
+    with pytest.raises(ValueError, match="batch_settle_s must be >= 0"):
+        AutoscalerConfig(batch_settle_s=-1.0)
+
+
+def test_batch_rate_is_measured_over_fed_windows_settled_since_the_last_change() -> None:
+    meter = BatchRateMeter(settle_s=20.0)
+    # (window end, tokens made in it, batch requests queued at its end, replicas ready)
+    script = [
+        (10.0, 0, 0, 2),  # no batch
+        (20.0, 500, 40, 2),  # a job arrived within it: fed from 20 s
+        (30.0, 1000, 40, 2),  # settling (20 + 20 > 20)
+        (40.0, 1000, 40, 2),  # settling (40 > 30)
+        (50.0, 1200, 40, 2),  # measured: 1200 / 2 replicas / 10 s
+        (60.0, 600, 40, 3),  # a third replica: fed again from 60 s
+        (70.0, 1500, 40, 3),
+        (80.0, 1500, 40, 3),
+        (90.0, 1800, 40, 3),  # settled again
+        (100.0, 900, 0, 3),  # the tail: every request on a replica
+        (110.0, 1800, 10, 3),  # a new job: fed from 110 s
+    ]
+    rates = [meter.close(end - 10.0, end, tokens, q, r) for end, tokens, q, r in script]
+    assert rates == [0, 0, 0, 0, 60.0, 0, 0, 0, 60.0, 0, 0]
+    assert meter.rate(110.0, 110.0, 100, 10, 3) == 0.0  # an empty window measures nothing
 
 
 def test_parse_autoscale_reads_min_and_max() -> None:

@@ -391,13 +391,15 @@ def test_autoscaled_pool_grows_under_load_without_asking_twice_for_a_starting_re
     assert [s.draining[0] for s in samples] == [0] * len(samples)
 
 
-def test_autoscaled_batch_rate_is_unmeasured_in_a_jobs_first_window_not_near_zero(
+def test_autoscaled_batch_rate_is_measured_only_once_replicas_are_fed_and_settled(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The batch rate counts tokens as they are generated, over windows with batch pending
-    at both ends: in the window a job arrives in it is unmeasured (the policy holds), where
-    counting tokens of requests ended would read near zero and send the pool to
-    max_replicas (8 here: what this run did before)."""
+    """The batch rate (BatchRateMeter) counts tokens as they are generated, over windows
+    with batch requests queued at both ends and the replicas up unchanged since
+    `batch_settle_s` (one window here) before: a job's first windows and a replica just up
+    are unmeasured (the policy holds), where counting tokens of requests ended read near
+    zero and sent the pool to max_replicas (8 here: what this run did before). The tail,
+    every request on a replica, is unmeasured too: more replicas cannot make it sooner."""
     windows: list[FleetWindow] = []
     decide = Autoscaler.decide
 
@@ -413,21 +415,28 @@ def test_autoscaled_batch_rate_is_unmeasured_in_a_jobs_first_window_not_near_zer
         autoscaler={
             "min_replicas": 1, "max_replicas": 8, "window_s": 5.0, "startup_s": 5.0,
             "up_cooldown_s": 0.0, "down_cooldown_s": 0.0, "down_windows": 2,
+            "batch_settle_s": 5.0,
         },
     )  # fmt: skip
     result = simulate(config, config.policies[0])
     decisions = [(d.now_s, d.target, d.reason) for d in result.decisions["priority"]]
-    assert decisions[1:6] == [
+    assert decisions[1:8] == [
         (10.0, 1, "calm"),
-        (15.0, 1, "hold"),  # the job arrived at 12 s: a backlog, no rate yet
-        (20.0, 1, "hold"),  # measured: one replica is enough so far
-        (25.0, 2, "deadline"),
-        (30.0, 5, "deadline"),
+        (15.0, 1, "hold"),  # the job arrived at 12 s: fed from 15 s
+        (20.0, 1, "hold"),  # settling
+        (25.0, 2, "deadline"),  # measured: one replica is not enough
+        (30.0, 2, "hold"),  # the new replica up (and so on)
+        (35.0, 2, "hold"),
+        (40.0, 2, "hold"),  # measured again: two are enough
     ]
-    first, second = windows[2], windows[3]
-    assert first.batch_tokens_left > 500_000 and first.batch_tokens_per_replica_s == 0.0
-    assert second.batch_tokens_per_replica_s > 1000  # a whole window's tokens, one replica
-    assert max(target for _, target, _ in decisions) == 5
+    rates = [w.batch_tokens_per_replica_s for w in windows]
+    assert windows[2].batch_tokens_left > 500_000
+    assert rates[2:5] == [0.0, 0.0, pytest.approx(2031, abs=1)]
+    assert rates[5:7] == [0.0, 0.0] and rates[7] > 1000
+    assert max(target for _, target, _ in decisions) == 2
+    # The tail: nothing queued, the rate unmeasured, the policy holds (no scale-up on it).
+    tail = [w for w in windows if w.batch_tokens_left > 0 and w.now_s > 95]
+    assert tail and all(w.batch_tokens_per_replica_s == 0.0 for w in tail)
     (job,) = result.jobs
     assert job.num_done_in_time == 300
 

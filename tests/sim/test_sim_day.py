@@ -86,41 +86,45 @@ def test_a_bad_hour_s_is_refused_naming_it(bad: Any) -> None:
 
 def test_samples_count_draining_replicas_until_they_retire() -> None:
     """Three replicas, batch only, a calm window drains one each 5 s once the batch rate is
-    measured (the job's first window, to 5 s, holds): the first drained still holds batch
-    requests (draining at 10 s, counted in `replicas`), the second is idle by 15 s, so it
-    goes at once."""
+    measured (from the second window: `batch_settle_s` 0): both drained replicas hold
+    batch requests (draining from 10 and 15 s, counted in `replicas` until they retire,
+    by 25 and by 40 s)."""
+    lengths = {"output_median": 600, "max_model_len": 4096}
     config = small_config(
-        duration_s=30.0,
+        duration_s=50.0,
         interactive={"peak_rate": 0.0},
-        batch_jobs=[{"num_requests": 80, "lengths": {"output_median": 300, "max_model_len": 4096}}],
+        batch_jobs=[{"num_requests": 300, "lengths": lengths}],
         autoscaler={
             "min_replicas": 1,
             "max_replicas": 3,
             "window_s": 5.0,
             "down_windows": 1,
             "down_cooldown_s": 0.0,
+            "batch_settle_s": 0.0,
         },
         policies=[{"name": "priority", "replicas": 3}],
     )
     result = simulate(config, config.policies[0])
     samples = result.metrics.samples
-    assert [s.time_s for s in samples] == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0]
-    assert [s.replicas for s in samples] == [[3], [3], [3], [1], [1], [1]]
-    assert [s.draining for s in samples] == [[0], [0], [1], [0], [0], [0]]
-    assert [s.starting for s in samples] == [[0]] * 6
-    # Batch output tokens of the job's finished requests; all 80 are done by 15 s.
+    assert [s.time_s for s in samples] == [5.0 * i for i in range(10)]
+    assert [s.replicas for s in samples] == [[3]] * 5 + [[2]] * 3 + [[1]] * 2
+    draining = [[0], [0], [1], [2], [2], [1], [1], [1], [0], [0]]
+    assert [s.draining for s in samples] == draining
+    assert [s.starting for s in samples] == [[0]] * 10
+    # Batch output tokens of the job's finished requests; all 300 are done by 45 s.
     (job,) = result.jobs
-    assert job.num_done == 80 and job.last_done_at is not None and 10.0 < job.last_done_at < 15.0
+    assert job.num_done == 300 and job.last_done_at is not None and 40 < job.last_done_at < 45
     total = sum(a.output_len for a in batch_requests(config.batch_jobs[0], 0, 0, config.seed))
     tokens = [s.batch_output_tokens[0] for s in samples]
-    assert tokens[0] == 0 and 0 < tokens[1] < tokens[2] < total and tokens[3:] == [total] * 3
+    assert tokens[0] == 0 and tokens[:9] == sorted(set(tokens[:9])) and tokens[8] < total
+    assert tokens[9] == total
     summary = summarize(result, config.targets)
-    assert summary["timeline"]["draining"] == [[0], [0], [1], [0], [0], [0]]
+    assert summary["timeline"]["draining"] == draining
     assert summary["timeline"]["batch_output_tokens"][-1] == {"0": total}
     assert summary["autoscaler"] == {
         "priority": {
-            "windows": 5,
-            "by_reason": {"calm": 2, "hold": 3},
+            "windows": 9,
+            "by_reason": {"calm": 2, "hold": 7},
             "scale_ups": 0,
             "scale_downs": 2,
             "replicas_added": 0,
@@ -128,7 +132,7 @@ def test_samples_count_draining_replicas_until_they_retire() -> None:
         }
     }
     assert (
-        "autoscaler priority: 5 windows (calm 2, hold 3); 0 replicas asked for, 2 drained"
+        "autoscaler priority: 9 windows (calm 2, hold 7); 0 replicas asked for, 2 drained"
         in format_table([summary])
     )
 

@@ -46,7 +46,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenfleet.config import FleetConfig
 from tokenfleet.errors import InvalidRequestError
-from tokenfleet.fleet.autoscaler import Autoscaler, AutoscalerConfig, AutoscalerState, FleetWindow
+from tokenfleet.fleet.autoscaler import (
+    Autoscaler,
+    AutoscalerConfig,
+    AutoscalerState,
+    BatchRateMeter,
+    FleetWindow,
+)
 
 if TYPE_CHECKING:
     from tokenfleet.cluster.client import FleetClient
@@ -92,6 +98,7 @@ class GatewayReport:
     num_batch_pending: int = 0  # now: queued or leased in that store
     batch_deadline_s: float | None = None  # now: seconds to its earliest pending deadline
     batch_tokens_generated: int = 0  # since the previous report, as they were generated
+    num_batch_queued: int = 0  # now: of num_batch_pending, those not leased yet
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ class FleetAutoscaler:
         self.window_start: float | None = None
         self.num_finished = self.num_met = self.batch_tokens = 0
         self.total_batch_tokens = self.total_batch_finished = 0  # for tokens a request
-        self.batch_was_pending = False  # at the previous window's close
+        self.batch_meter = BatchRateMeter(config.batch_settle_s)
         self.pending: Order | None = None
         self.seq = 0
         self.events: deque[dict[str, Any]] = deque(maxlen=NUM_EVENTS_KEPT)
@@ -191,12 +198,9 @@ class FleetAutoscaler:
         per_request = self.total_batch_tokens / max(self.total_batch_finished, 1)
         pending = self._batch_pending(now)
         deadlines = [r.batch_deadline_s for r in stores if r.batch_deadline_s is not None]
-        elapsed = now - (self.window_start if self.window_start is not None else now)
-        ready = max(num_replicas - num_starting, 1)
-        # Measured only over a window with batch pending at both ends: in a backlog's first
-        # window the batch ran for part of it (0: unmeasured, the policy holds).
-        measured = self.batch_was_pending and pending > 0
-        rate = self.batch_tokens / ready / max(elapsed, 1e-9) if measured else 0.0
+        ready = num_replicas - num_starting
+        start = self.window_start if self.window_start is not None else now
+        rate = self.batch_meter.rate(start, now, self.batch_tokens, self._queued(now), ready)
         return FleetWindow(
             now_s=now,
             num_replicas=num_replicas,
@@ -212,6 +216,12 @@ class FleetAutoscaler:
         """Batch requests queued or leased, summed over the stores heard from lately."""
         return sum(
             h.report.num_batch_pending for h in self.stores.values() if now - h.at <= self.stale_s
+        )
+
+    def _queued(self, now: float) -> int:
+        """Of those, the requests not leased yet (waiting for a replica)."""
+        return sum(
+            h.report.num_batch_queued for h in self.stores.values() if now - h.at <= self.stale_s
         )
 
     def _close(self, now: float) -> None:
@@ -232,7 +242,8 @@ class FleetAutoscaler:
             }
         )
         self.window_start = now
-        self.batch_was_pending = self._batch_pending(now) > 0
+        ready = window.num_replicas - window.num_starting
+        self.batch_meter.closed(now, self._queued(now), ready)
         self.num_finished = self.num_met = self.batch_tokens = 0
         if target != window.num_replicas:
             self.seq += 1

@@ -8,7 +8,8 @@ which the simulator and the live fleet both call once a window.
           are still starting ("starting": the signal was measured without them)
     up    batch would miss its deadline at the current size ("deadline"): to the count
           the backlog needs at the batch rate measured per replica, finishing within
-          deadline_safety of the time left
+          deadline_safety of the time left; a rate not measured (BatchRateMeter: the
+          replicas not fed with batch work, or not settled) holds the count instead
     down  by one ("calm"), after down_windows windows in a row in which both are safe:
           attainment >= slo_high, prefill queues under a quarter of their limit, the
           backlog needing fewer replicas than run now, none starting
@@ -56,6 +57,10 @@ class AutoscalerConfig:
     startup_s: float = 120.0  # a new replica serves this long after it was asked for
     up_cooldown_s: float = 60.0  # no scale-up sooner than this after the previous change
     down_cooldown_s: float = 300.0  # no scale-down sooner than this after it
+    # The batch rate is measured only this long after batch work began waiting for the
+    # replicas, or their number changed: an engine's first fill of batch prefills, or a
+    # replica just up, reads well under the rate it keeps (BatchRateMeter).
+    batch_settle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -64,8 +69,10 @@ class AutoscalerConfig:
             raise ValueError("need 0 <= slo_low <= slo_high <= 1")
         if not 0 < self.deadline_safety <= 1 or self.down_windows < 1 or self.window_s <= 0:
             raise ValueError("deadline_safety in (0, 1], down_windows >= 1, window_s > 0")
-        if self.up_cooldown_s < 0 or self.down_cooldown_s < 0 or self.up_fraction < 0:
-            raise ValueError("up_cooldown_s, down_cooldown_s and up_fraction must be >= 0")
+        if min(self.up_cooldown_s, self.down_cooldown_s, self.up_fraction, self.batch_settle_s) < 0:
+            raise ValueError(
+                "up_cooldown_s, down_cooldown_s, up_fraction and batch_settle_s must be >= 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,8 +86,7 @@ class FleetWindow:
     queued_prefill_tokens: int  # interactive prompt tokens routed, not yet prefilled
     batch_tokens_left: int  # output tokens of batch requests not yet done
     batch_time_left_s: float  # until the earliest pending deadline
-    batch_tokens_per_replica_s: float  # batch output tokens a ready replica made per second
-    # (0: not measured yet; the backlog then holds the count)
+    batch_tokens_per_replica_s: float  # made per ready replica per second (0: not measured)
 
     def __post_init__(self) -> None:
         if not 0 <= self.num_starting <= self.num_replicas:
@@ -106,6 +112,49 @@ class ScaleDecision:
     num_starting: int
     target: int
     reason: Reason
+
+
+class BatchRateMeter:
+    """The batch output tokens a ready replica makes per second, as `FleetWindow` wants it,
+    from the tokens generated in each window (counted as they are made, not when their
+    request ends). A window is measured only when its whole span saw the replicas fed:
+    batch requests waiting for a replica (queued, not leased) at both of its ends, the
+    ready replicas the same at both, and that since `batch_settle_s` before it began.
+    Otherwise 0, which the policy reads as "not measured": it holds. So neither a job's
+    first windows (nothing, then engines filling with prefills), nor a job's tail (every
+    request already on a replica: more replicas cannot make it sooner), nor a replica just
+    up reads as a slow fleet that needs `max_replicas`."""
+
+    def __init__(self, settle_s: float) -> None:
+        self.settle_s = settle_s
+        self.fed_since: float | None = None  # when queued work and this ready count began
+        self.ready = -1
+
+    def rate(self, start_s: float, now_s: float, tokens: int, queued: int, ready: int) -> float:
+        """The rate over the window [start_s, now_s], in which `tokens` were generated; it
+        ends with `queued` batch requests waiting and `ready` replicas ready."""
+        measured = (
+            self.fed_since is not None
+            and queued > 0
+            and ready == self.ready
+            and self.fed_since + self.settle_s <= start_s
+            and now_s > start_s
+        )
+        return tokens / max(ready, 1) / (now_s - start_s) if measured else 0.0
+
+    def close(self, start_s: float, now_s: float, tokens: int, queued: int, ready: int) -> float:
+        """`rate`, and the window `closed`."""
+        rate = self.rate(start_s, now_s, tokens, queued, ready)
+        self.closed(now_s, queued, ready)
+        return rate
+
+    def closed(self, now_s: float, queued: int, ready: int) -> None:
+        """The window ends at `now_s` as `rate` was told: the next one starts there."""
+        if queued <= 0:
+            self.fed_since = None
+        elif self.fed_since is None or ready != self.ready:
+            self.fed_since = now_s
+        self.ready = ready
 
 
 def batch_replicas_needed(window: FleetWindow, config: AutoscalerConfig) -> int:

@@ -11,8 +11,9 @@ FleetWindow field comes from, as this gateway sees it.
     queued_prefill_tokens     the FleetClient's router: prompt tokens this gateway routed
                               that the replica has not prefilled yet
     num_replicas, starting    the FleetClient's links (Scaler.size: starting or ready)
-    store, batch pending,     the batch store: requests queued or leased, and the earliest
-      deadline                deadline among them (one SQL aggregate, off the event loop)
+    store, batch pending,     the batch store: requests queued or leased, those queued,
+      queued, deadline        and the earliest deadline among them (one SQL aggregate,
+                              off the event loop)
 """
 
 from __future__ import annotations
@@ -66,13 +67,18 @@ class WindowCounts:
         return taken
 
 
-def batch_backlog(store: BatchStore, now: float) -> tuple[int, float | None]:
-    """Batch requests not done (queued or leased) and seconds to their earliest deadline."""
+def batch_backlog(store: BatchStore, now: float) -> tuple[int, int, float | None]:
+    """Batch requests not done (queued or leased), those of them queued (not leased yet),
+    and seconds to their earliest deadline."""
     r = batch_requests.c
-    query = select(func.count(), func.min(r.deadline)).where(r.status.in_(("queued", "leased")))
+    queued = func.count().filter(r.status == "queued")
+    query = select(func.count(), queued, func.min(r.deadline)).where(
+        r.status.in_(("queued", "leased"))
+    )
     with store.engine.connect() as conn:
-        count, deadline = conn.execute(query).one()
-    return int(count), (None if deadline is None else max(0.0, float(deadline) - now))
+        count, num_queued, deadline = conn.execute(query).one()
+    left_s = None if deadline is None else max(0.0, float(deadline) - now)
+    return int(count), int(num_queued), left_s
 
 
 class GatewayWindow:
@@ -85,7 +91,9 @@ class GatewayWindow:
         self.store_id = store.engine.url.render_as_string(hide_password=True)
 
     async def __call__(self) -> GatewayReport:
-        pending, deadline_s = await asyncio.to_thread(batch_backlog, self.store, time.time())
+        pending, queued, deadline_s = await asyncio.to_thread(
+            batch_backlog, self.store, time.time()
+        )
         finished, met, batch_tokens, batch_finished, generated = self.counts.take()
         links = self.client.links.values()
         return GatewayReport(
@@ -100,5 +108,6 @@ class GatewayWindow:
             batch_tokens_generated=generated,
             store=self.store_id,
             num_batch_pending=pending,
+            num_batch_queued=queued,
             batch_deadline_s=deadline_s,
         )

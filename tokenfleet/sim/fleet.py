@@ -299,8 +299,8 @@ class Simulation:
         self._push(self.now + config.window_s, TICK, pool)
         jobs = self.backlog.jobs.values() if pool.spec.batch else ()
         pending = [j for j in jobs if not j.done]
-        attainment, batch_tokens = pool.take_window(bool(pending))
-        num_up = max(len(pool.replicas), 1)
+        queued = self.backlog.num_unleased if pool.spec.batch else 0
+        attainment, batch_rate = pool.take_window(self.now, queued)
         window = FleetWindow(
             now_s=self.now,
             num_replicas=pool.size,
@@ -309,9 +309,9 @@ class Simulation:
             queued_prefill_tokens=self.routers[pool.index].queued_prefill_tokens,
             batch_tokens_left=sum(_tokens_left(j) for j in pending),
             batch_time_left_s=min((j.deadline_at - self.now for j in pending), default=0.0),
-            # Made as they were generated, by the replicas up now (serving or draining, not
-            # starting); 0 (unmeasured: the policy holds) in a backlog's first window.
-            batch_tokens_per_replica_s=(batch_tokens or 0) / num_up / config.window_s,
+            # As they were generated, by the replicas up (serving or draining, not starting);
+            # 0 where not measured (BatchRateMeter).
+            batch_tokens_per_replica_s=batch_rate,
         )
         target = scaler.decide(window)
         for _ in range(target - pool.size):

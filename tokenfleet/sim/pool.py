@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenfleet.fleet.autoscaler import Autoscaler, AutoscalerConfig
+from tokenfleet.fleet.autoscaler import Autoscaler, AutoscalerConfig, BatchRateMeter
 from tokenfleet.sim.replica import SimReplica
 
 FLEET_POLICIES = ("separate", "fcfs", "priority")
@@ -80,18 +80,19 @@ class Pool:
     started_at: dict[int, float] = field(default_factory=dict)
     batch_in_flight: dict[int, int] = field(default_factory=dict)
     scaler: Autoscaler | None = field(init=False)
+    batch_meter: BatchRateMeter | None = field(init=False)
     # The autoscaler's window: interactive requests finished and those within targets;
-    # batch output tokens of the requests finished (ever), those made by the previous
-    # window's end, and whether batch work was pending then.
+    # batch output tokens of the requests finished (ever), and those made by the previous
+    # window's end.
     window_finished: int = 0
     window_met: int = 0
     batch_tokens_done: int = 0
     batch_tokens_seen: int = 0
-    batch_was_pending: bool = False
 
     def __post_init__(self) -> None:
         config = self.spec.autoscaler
         self.scaler = None if config is None else Autoscaler(config)
+        self.batch_meter = None if config is None else BatchRateMeter(config.batch_settle_s)
 
     @property
     def size(self) -> int:
@@ -117,13 +118,15 @@ class Pool:
         )
         return self.batch_tokens_done + in_flight
 
-    def take_window(self, batch_pending: bool) -> tuple[float | None, int | None]:
-        """(SLO attainment, batch output tokens made) since the last call; the tokens are
-        None unless batch work was pending at both ends of the window (a backlog that
-        arrived within it ran for only part of it: its rate is not measured yet)."""
+    def take_window(self, now: float, batch_queued: int) -> tuple[float | None, float]:
+        """(SLO attainment, batch output tokens a replica up made per second) since the
+        last call, a window of the autoscaler's (0: not measured, BatchRateMeter)."""
+        assert self.scaler is not None and self.batch_meter is not None
         attainment = self.window_met / self.window_finished if self.window_finished else None
         made = self.batch_tokens_made()
-        tokens = made - self.batch_tokens_seen if self.batch_was_pending and batch_pending else None
-        self.batch_tokens_seen, self.batch_was_pending = made, batch_pending
+        tokens, self.batch_tokens_seen = made - self.batch_tokens_seen, made
+        start = now - self.scaler.config.window_s
+        up = len(self.replicas)  # serving or draining, not starting
+        rate = self.batch_meter.close(start, now, tokens, batch_queued, up)
         self.window_finished = self.window_met = 0
-        return attainment, tokens
+        return attainment, rate
