@@ -234,12 +234,14 @@ class FleetConfig:
     fence_timeout_s: float = 10.0
     slow_replica_factor: float | None = 2.0
     # `--autoscale MIN:MAX` (cluster/autoscaling.py runs fleet/autoscaler.py's policy once
-    # for the fleet): its window and cool-downs, and the calm windows before a scale-down.
+    # for the fleet): its window and cool-downs, the calm windows before a scale-down, and
+    # how long batch work must have been fed before its rate is measured.
     autoscale: tuple[int, int] | None = None
     autoscale_window_s: float = 60.0
     autoscale_up_cooldown_s: float = 60.0
     autoscale_down_cooldown_s: float = 300.0
     autoscale_calm_windows: int = 5
+    autoscale_batch_settle_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.autoscale is not None and not 1 <= self.autoscale[0] <= self.autoscale[1]:

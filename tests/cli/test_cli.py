@@ -50,3 +50,21 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert (args.port, args.num_threads) == (9001, 1)
     monkeypatch.delenv("TOKENFLEET_PORT")
     assert build_parser().parse_args(["serve"]).port == 8000  # the declared default
+
+
+def test_autoscale_flags_reach_the_autoscalers_settings() -> None:
+    from tokenfleet.cli.serve_fleet import fleet_config
+    from tokenfleet.cluster.autoscaling import autoscaler_config
+
+    flags = ["serve", "--autoscale", "2:6", "--autoscale-window", "30"]
+    flags += ["--autoscale-cooldown", "10:90", "--autoscale-calm-windows", "3"]
+    fleet = fleet_config(build_parser().parse_args([*flags, "--autoscale-batch-settle", "0"]))
+    assert fleet is not None
+    config = autoscaler_config(fleet)
+    assert (config.min_replicas, config.max_replicas, config.window_s) == (2, 6, 30.0)
+    assert (config.up_cooldown_s, config.down_cooldown_s, config.down_windows) == (10, 90, 3)
+    assert config.batch_settle_s == 0.0
+    default = fleet_config(build_parser().parse_args(flags))
+    assert default is not None and autoscaler_config(default).batch_settle_s == 30.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*flags, "--autoscale-batch-settle", "-1"])

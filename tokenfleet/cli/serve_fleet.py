@@ -30,6 +30,7 @@ def fleet_config(args: argparse.Namespace) -> FleetConfig | None:
         autoscale_up_cooldown_s=up_cooldown_s,
         autoscale_down_cooldown_s=down_cooldown_s,
         autoscale_calm_windows=args.autoscale_calm_windows,
+        autoscale_batch_settle_s=args.autoscale_batch_settle,
     )
     if fleet.autoscale is not None:
         from tokenfleet.cluster.autoscaling import autoscaler_config
@@ -58,6 +59,16 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def _at_least_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text!r}")
+    return value
 
 
 def _cooldowns(text: str) -> tuple[float, float]:
@@ -151,6 +162,14 @@ def add_fleet_flags(group: argparse._ArgumentGroup) -> None:
         type=_positive(int),
         default=5,
         help="calm windows in a row before a scale-down (default %(default)s)",
+    )
+    add(
+        "--autoscale-batch-settle",
+        type=_at_least_zero,
+        default=30.0,
+        help="seconds batch work waits for the replicas, their number unchanged, before its "
+        "rate per replica is measured: an engine's first fill of batch prefills reads under "
+        "the rate it keeps (default %(default)s)",
     )
     add(
         "--max-moves",

@@ -74,6 +74,7 @@ def autoscaler_config(fleet: FleetConfig) -> AutoscalerConfig:
         max_replicas=high,
         window_s=fleet.autoscale_window_s,
         down_windows=fleet.autoscale_calm_windows,
+        batch_settle_s=fleet.autoscale_batch_settle_s,
         up_cooldown_s=fleet.autoscale_up_cooldown_s,
         down_cooldown_s=fleet.autoscale_down_cooldown_s,
     )
