@@ -128,6 +128,10 @@ def check_schedule(
     """The step obeys the budget, the sequence cap and the running-first rule exactly."""
     config = sched.config
     assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
+    # The interactive reserve's count, kept up to date from the block lists, is the count
+    # over every block (a shared block once).
+    held = (sched.kv.req_to_blocks.get(r.req_id, ()) for r in sched.running if r.is_interactive)
+    assert sched._num_interactive_blocks() == len({id(b) for blocks in held for b in blocks})
     assert len(out.scheduled) <= config.max_num_seqs
     assert len(sched.running) <= config.max_num_seqs
     counts = out.num_scheduled_tokens

@@ -194,3 +194,35 @@ class KVCacheManager:
             tokens = tuple(request.all_token_ids[start : start + self.block_size])
             self.pool.cache_full_block(blocks[i], request.block_hashes[i], tokens)
         self._num_cached_blocks[request.req_id] = num_full
+
+
+class HeldBlocks:
+    """The distinct blocks a changing set of requests hold (a block shared by a prefix hit
+    counts once), kept up to date from each request's block list instead of counted over
+    every block at each call: a request's list only grows while it holds it (allocate_slots
+    extends it; free pops it, and a request allocated again gets a new list), so each call
+    adds the blocks appended since the previous one, and drops the requests gone or whose
+    list was replaced. A call costs one look per request, not one per block."""
+
+    def __init__(self) -> None:
+        self._refs: dict[KVCacheBlock, int] = {}  # holders of each block counted
+        self._seen: dict[str, tuple[list[KVCacheBlock], int]] = {}  # list, blocks counted
+
+    def count(self, lists: dict[str, list[KVCacheBlock]]) -> int:
+        """Distinct blocks held by the requests whose block lists `lists` gives now."""
+        refs, seen = self._refs, self._seen
+        for req_id in [r for r, (blocks, _) in seen.items() if lists.get(r) is not blocks]:
+            blocks, num = seen.pop(req_id)
+            for block in blocks[:num]:
+                held = refs[block] - 1
+                if held:
+                    refs[block] = held
+                else:
+                    del refs[block]
+        for req_id, blocks in lists.items():
+            num = seen[req_id][1] if req_id in seen else 0
+            if len(blocks) > num:
+                for block in blocks[num:]:
+                    refs[block] = refs.get(block, 0) + 1
+                seen[req_id] = (blocks, len(blocks))
+        return len(refs)

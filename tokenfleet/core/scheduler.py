@@ -19,12 +19,11 @@ then drops. Off, schedule() and update() alternate and no placeholder is ever ma
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from itertools import chain
 
 from tokenfleet.config import SchedulerConfig
 from tokenfleet.core.block_pool import KVCacheBlock
 from tokenfleet.core.engine_api import EngineCoreOutput
-from tokenfleet.core.kv_cache import KVCacheManager
+from tokenfleet.core.kv_cache import HeldBlocks, KVCacheManager
 from tokenfleet.core.planning import BatchTokenBudget, StepPlan, StepPlanner
 from tokenfleet.core.request import PRIORITY_BATCH, PRIORITY_INTERACTIVE, Request, RequestStatus
 from tokenfleet.core.reserve import InteractiveReserve
@@ -44,6 +43,7 @@ class Scheduler(StepPlanner):
         self.kv = kv_cache_manager
         self.plan_ahead = plan_ahead
         self._finished_req_ids: set[str] = set()
+        self._interactive_blocks = HeldBlocks()  # counted at each step for the reserve
         self.reserve = InteractiveReserve(
             kv_cache_manager.pool.num_blocks,
             window_s=config.interactive_reserve_window_s,
@@ -228,15 +228,12 @@ class Scheduler(StepPlanner):
     def _num_interactive_blocks(self) -> int:
         """Blocks held by running interactive requests (a shared block counts once)."""
         req_to_blocks = self.kv.req_to_blocks
-        # One KVCacheBlock object a block id, hashed by identity: a set of the objects
-        # counts the ids, built in C.
-        return len(
-            set(
-                chain.from_iterable(
-                    req_to_blocks.get(r.req_id, ()) for r in self.running if r.is_interactive
-                )
-            )
-        )
+        lists = {
+            r.req_id: blocks
+            for r in self.running
+            if r.is_interactive and (blocks := req_to_blocks.get(r.req_id)) is not None
+        }
+        return self._interactive_blocks.count(lists)
 
     # -- results -------------------------------------------------------------------
 
