@@ -16,6 +16,7 @@ import tokenfleet.core.kv_cache as kv_cache_module
 from tokenfleet.core.block_pool import KVCacheBlock
 from tokenfleet.core.kv_cache import (
     ROOT_HASH,
+    HeldBlocks,
     KVCacheManager,
     cdiv,
     compute_block_hashes,
@@ -77,6 +78,25 @@ def test_block_hashes_are_chained_and_ignore_the_partial_block() -> None:
     known = [h0]
     assert compute_block_hashes([*tokens, 8, 9], 3, known) is known
     assert known == [h0, h1, hash_block_tokens(h1, (7, 8, 9))]
+
+
+def test_held_blocks_counts_shared_blocks_once_and_follows_a_request_allocated_again() -> None:
+    kv = KVCacheManager(num_blocks=10, block_size=2)
+    held = HeldBlocks()
+    a, b = make_request("a", [1, 2, 3, 4, 5]), make_request("b", [1, 2, 3, 4, 9])
+    admit(kv, a)  # 3 blocks, the first two full and cached
+    _, num_hit = admit(kv, b)  # shares a's two full blocks
+    assert num_hit == 4 and kv.req_to_blocks["b"][:2] == kv.req_to_blocks["a"][:2]
+    assert held.count(dict(kv.req_to_blocks)) == 4  # 3 of a's, b's last one
+    assert held.count({"a": kv.req_to_blocks["a"]}) == 3  # b left the set
+    # a freed and allocated again between two counts: a new list, none of the old blocks.
+    kv.free(a)
+    a.num_computed_tokens = 0
+    kv.allocate_slots(a, 1)
+    assert held.count({"a": kv.req_to_blocks["a"]}) == 1
+    kv.allocate_slots(a, 2)  # grows: 2 tokens in 2 blocks
+    assert held.count({"a": kv.req_to_blocks["a"], "b": kv.req_to_blocks["b"]}) == 1 + 3
+    assert held.count({}) == 0
 
 
 def test_cdiv() -> None:
@@ -382,6 +402,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.live: dict[str, Request] = {}  # holds blocks
         self.content: dict[int, list[int | None]] = {}
         self.next_id = 0
+        self.held = HeldBlocks()  # over the even-numbered live requests (a changing set)
 
     # -- helpers
 
@@ -516,6 +537,12 @@ class KVCacheMachine(RuleBasedStateMachine):
             for block in held:
                 holders[block.block_id] += 1
         assert [b.ref_cnt for b in self.kv.pool.blocks] == holders
+
+    @invariant()
+    def held_blocks_counts_the_distinct_blocks_of_its_requests(self) -> None:
+        lists = {r: b for r, b in self.kv.req_to_blocks.items() if int(r[1:]) % 2 == 0}
+        distinct = {id(block) for blocks in lists.values() for block in blocks}
+        assert self.held.count(lists) == len(distinct)
 
     @invariant()
     def live_requests_read_their_own_tokens(self) -> None:
