@@ -107,8 +107,16 @@ class RunStart:
 
 
 def args_json(args: argparse.Namespace) -> dict[str, Any]:
-    """The arguments as JSON takes them (paths as strings)."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    """The arguments as JSON takes them (paths as strings, in lists too)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, Path):
+            return str(value)
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return {k: plain(v) for k, v in vars(args).items()}
 
 
 def run_and_write(
