@@ -195,13 +195,14 @@ class FleetAutoscaler:
         lead = heard.report if heard is not None else None
         num_replicas = lead.num_replicas if lead is not None else 0
         num_starting = lead.num_starting if lead is not None else 0
-        stores = [h.report for h in self.stores.values() if now - h.at <= self.stale_s]
+        stores = self._stores(now)
         per_request = self.total_batch_tokens / max(self.total_batch_finished, 1)
-        pending = self._batch_pending(now)
+        pending = sum(r.num_batch_pending for r in stores)
+        queued = sum(r.num_batch_queued for r in stores)
         deadlines = [r.batch_deadline_s for r in stores if r.batch_deadline_s is not None]
         ready = num_replicas - num_starting
         start = self.window_start if self.window_start is not None else now
-        rate = self.batch_meter.rate(start, now, self.batch_tokens, self._queued(now), ready)
+        rate = self.batch_meter.rate(start, now, self.batch_tokens, queued, ready)
         return FleetWindow(
             now_s=now,
             num_replicas=num_replicas,
@@ -213,17 +214,9 @@ class FleetAutoscaler:
             batch_tokens_per_replica_s=rate,
         )
 
-    def _batch_pending(self, now: float) -> int:
-        """Batch requests queued or leased, summed over the stores heard from lately."""
-        return sum(
-            h.report.num_batch_pending for h in self.stores.values() if now - h.at <= self.stale_s
-        )
-
-    def _queued(self, now: float) -> int:
-        """Of those, the requests not leased yet (waiting for a replica)."""
-        return sum(
-            h.report.num_batch_queued for h in self.stores.values() if now - h.at <= self.stale_s
-        )
+    def _stores(self, now: float) -> list[GatewayReport]:
+        """The latest report of each batch store heard from lately (one a store)."""
+        return [h.report for h in self.stores.values() if now - h.at <= self.stale_s]
 
     def _close(self, now: float) -> None:
         window = self.window(now)
@@ -244,7 +237,8 @@ class FleetAutoscaler:
         )
         self.window_start = now
         ready = window.num_replicas - window.num_starting
-        self.batch_meter.closed(now, self._queued(now), ready)
+        queued = sum(r.num_batch_queued for r in self._stores(now))
+        self.batch_meter.closed(now, queued, ready)
         self.num_finished = self.num_met = self.batch_tokens = 0
         if target != window.num_replicas:
             self.seq += 1
