@@ -26,13 +26,15 @@ from tokenfleet.server.app import _store_is_up
 pytestmark = pytest.mark.fake("runner")
 
 DEADLINE_S = 2.0  # --header-timeout and --body-timeout of this module's server
+STEP_S = 0.005  # each step with work takes this long: 4,000 decode steps take at least 20 s
 USER = [{"role": "user", "content": "Say hello."}]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("loop")
-    args = ["--runner", "fixed", "--header-timeout", str(DEADLINE_S)]
+    args = ["--runner", "fixed", "--fixed-step-time", str(STEP_S)]
+    args += ["--header-timeout", str(DEADLINE_S)]
     args += ["--body-timeout", str(DEADLINE_S), "--stream-stall-timeout", "1"]
     with live_server(tmp, *args) as s:
         yield s
@@ -141,8 +143,11 @@ def test_a_stream_whose_reader_stopped_is_aborted_and_its_blocks_freed_fixed_run
 ) -> None:
     """A client that reads the reply's head and then nothing: once the server's send buffer
     is full for --stream-stall-timeout, the stream is aborted (its engine requests gone,
-    their KV blocks free) long before its 16 x 4,000 tokens are generated."""
-    before = metric_value(_metrics(server), "tokenfleet_streams_stalled_total")
+    their KV blocks free) long before its 16 x 4,000 tokens are generated (each step takes
+    STEP_S: the whole stream would take at least 20 s)."""
+    text = _metrics(server)
+    before = metric_value(text, "tokenfleet_streams_stalled_total")
+    tokens_before = metric_value(text, "tokenfleet_generation_tokens_total")
     body = httpx.Request(
         "POST",
         "http://t/v1/chat/completions",
@@ -172,7 +177,8 @@ def test_a_stream_whose_reader_stopped_is_aborted_and_its_blocks_freed_fixed_run
         ):
             assert time.monotonic() < deadline, text
             text = _metrics(server)
-        assert metric_value(text, "tokenfleet_generation_tokens_total") < 64_000
+        made = metric_value(text, "tokenfleet_generation_tokens_total") - tokens_before
+        assert 0 < made < 64_000
         # The server closed the connection: what it had sent, then EOF.
         while chunk := s.recv(65536):
             assert len(chunk) > 0
