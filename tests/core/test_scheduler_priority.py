@@ -252,6 +252,17 @@ def test_fake_runner_step_order_interactive_then_batch_each_running_then_waiting
     ]
 
 
+def test_set_priority_moves_a_request_and_its_class_test_together() -> None:
+    """is_interactive is an attribute (read several times a request a step): it follows
+    set_priority (the simulator's fcfs policy puts batch requests in one class)."""
+    request = Request("b", [1, 2], SamplingParams(max_tokens=1), arrival_time=0.0, priority=BATCH)
+    assert (request.priority, request.is_interactive) == (BATCH, False)
+    request.set_priority(INTERACTIVE)
+    assert (request.priority, request.is_interactive) == (INTERACTIVE, True)
+    request.set_priority(BATCH)
+    assert (request.priority, request.is_interactive) == (BATCH, False)
+
+
 @pytest.mark.fake("runner")
 def test_fake_runner_fcfs_within_a_class() -> None:
     run = make_run(num_blocks=32, budget=100, max_num_seqs=1)

@@ -140,16 +140,20 @@ class KVCacheManager:
         holds (most decodes), with `keep_free` more blocks asked to stay free as
         can_allocate would count them; False, with nothing changed, for any other request
         (it takes allocate_slots' way). A few operations where allocate_slots is a dozen."""
-        blocks = self.req_to_blocks.get(request.req_id)
+        req_id = request.req_id
+        blocks = self.req_to_blocks.get(req_id)
         if blocks is None:
             return False
+        block_size = self.block_size
         end = request.num_computed_tokens + num_new_tokens
         num_held = len(blocks)
-        if end > num_held * self.block_size:
+        if end > num_held * block_size:
             return False
-        if cdiv(end, self.block_size) - num_held + keep_free > self.pool.num_free_blocks:
+        # The tokens fit in the blocks held: only a reserve asked for can be short.
+        if keep_free and cdiv(end, block_size) - num_held + keep_free > len(self.pool.free_queue):
             return False
-        if self.enable_caching:
+        # A block filled by this step (one decode in block_size): _cache_full_blocks' test.
+        if self.enable_caching and end >= (self._num_cached_blocks.get(req_id, 0) + 1) * block_size:
             self._cache_full_blocks(request, end)
         return True
 
@@ -211,18 +215,32 @@ class HeldBlocks:
     def count(self, lists: dict[str, list[KVCacheBlock]]) -> int:
         """Distinct blocks held by the requests whose block lists `lists` gives now."""
         refs, seen = self._refs, self._seen
-        for req_id in [r for r, (blocks, _) in seen.items() if lists.get(r) is not blocks]:
-            blocks, num = seen.pop(req_id)
-            for block in blocks[:num]:
-                held = refs[block] - 1
-                if held:
-                    refs[block] = held
-                else:
-                    del refs[block]
         for req_id, blocks in lists.items():
-            num = seen[req_id][1] if req_id in seen else 0
-            if len(blocks) > num:
-                for block in blocks[num:]:
-                    refs[block] = refs.get(block, 0) + 1
-                seen[req_id] = (blocks, len(blocks))
+            entry = seen.get(req_id)
+            if entry is None or entry[0] is not blocks:  # new, or allocated again
+                if entry is not None:
+                    self._drop(entry)
+                num = 0
+            else:
+                num = entry[1]
+                if len(blocks) == num:
+                    continue
+            for block in blocks[num:]:
+                refs[block] = refs.get(block, 0) + 1
+            seen[req_id] = (blocks, len(blocks))
+        # Every request of `lists` is in `seen` now: any more there are gone.
+        if len(seen) > len(lists):
+            for req_id in [r for r in seen if r not in lists]:
+                self._drop(seen.pop(req_id))
         return len(refs)
+
+    def _drop(self, entry: tuple[list[KVCacheBlock], int]) -> None:
+        """Uncount the blocks counted of one request's list."""
+        refs = self._refs
+        blocks, num = entry
+        for block in blocks[:num]:
+            held = refs[block] - 1
+            if held:
+                refs[block] = held
+            else:
+                del refs[block]

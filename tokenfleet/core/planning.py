@@ -143,13 +143,18 @@ class StepPlanner:
         prefill threshold (for _top_up)."""
         cap = self._long_prefill_cap(priority)
         capped = []
+        # Once a request a step: the names looked up once, not in each turn.
+        running_status = RequestStatus.RUNNING
+        tokens_for, give, grow = plan.tokens_for, plan.give, self._make_room_to_grow
         for request in [r for r in self.running if r.priority == priority]:
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running_status:
                 continue  # preempted for one served before it in this loop
             if request.num_placeholders and self._ends_in_flight(request):
                 continue  # a step still running samples its last token
             num_to_go = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_to_go, plan.tokens_for(request, num_to_go))
+            num_new = tokens_for(request, num_to_go)
+            if num_to_go < num_new:
+                num_new = num_to_go
             if num_new == 0:
                 if plan.budget == 0:
                     break
@@ -157,8 +162,8 @@ class StepPlanner:
             if cap is not None and num_new > cap:
                 num_new = cap
                 capped.append(request)
-            if self._make_room_to_grow(plan, request, num_new):
-                plan.give(request, num_new, num_to_go)
+            if grow(plan, request, num_new):
+                give(request, num_new, num_to_go)
         return capped
 
     def _long_prefill_cap(self, priority: int) -> int | None:

@@ -41,11 +41,13 @@ class RequestStatus(enum.Enum):
         return _FINISH_REASON.get(self)
 
 
-_FINISHED = {
+# A tuple: `in` compares by identity, where a set would call Enum's __hash__ (Python code,
+# once a request a step in update()).
+_FINISHED = (
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
-}
+)
 _FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
@@ -81,10 +83,18 @@ class Request:
         # Salts the first block's hash: prefix-cache hits only among requests of one salt.
         self.cache_salt = cache_salt
         self.sampling_params = sampling_params
+        # Whether the sampler needs the outputs so far: for the penalties, and their count
+        # for a seeded draw (keyed by the output position, earlier attempts' included).
+        self.sampling_needs_outputs = sampling_params.penalized or (
+            sampling_params.seed is not None and not sampling_params.greedy
+        )
         self.arrival_time = arrival_time
         self.eos_token_id = eos_token_id
         # Lower value = more urgent: PRIORITY_INTERACTIVE or PRIORITY_BATCH.
         self.priority = priority
+        # An attribute, not a property: the scheduler asks it several times a request a
+        # step. Both change together, only through set_priority.
+        self.is_interactive = priority <= PRIORITY_INTERACTIVE
         self.deadline = deadline
         self.num_prompt_tokens = len(prompt_token_ids)
         # A resumed request starts with its earlier attempt's outputs: computed like the
@@ -116,9 +126,10 @@ class Request:
         then need logits for every token, and the prefix cache may not skip any."""
         return self.prompt_logprobs is not None
 
-    @property
-    def is_interactive(self) -> bool:
-        return self.priority <= PRIORITY_INTERACTIVE
+    def set_priority(self, priority: int) -> None:
+        """A new priority class, before the request reaches a scheduler."""
+        self.priority = priority
+        self.is_interactive = priority <= PRIORITY_INTERACTIVE
 
     @property
     def num_tokens(self) -> int:

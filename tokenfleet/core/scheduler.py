@@ -182,40 +182,38 @@ class Scheduler(StepPlanner):
         requests = []
         plan_ahead = self.plan_ahead
         req_to_blocks = self.kv.req_to_blocks
+        num_scheduled = plan.num_scheduled
         for request in self.running:
-            num_new = plan.num_scheduled.get(request.req_id)
+            req_id = request.req_id
+            num_new = num_scheduled.get(req_id)
             if num_new is None:
                 continue
             start = request.num_computed_tokens
             params = request.sampling_params
-            sample = start + num_new == request.num_tokens
-            # The sampler needs the outputs so far for the penalties, and their count for
-            # a seeded draw (keyed by the output position, earlier attempts' included).
-            seeded = params.seed is not None and not params.greedy
-            blocks = req_to_blocks[request.req_id]
+            token_ids = request.all_token_ids
+            sample = start + num_new == len(token_ids)
+            blocks = req_to_blocks[req_id]
             num_sent = request.num_blocks_sent
-            request.num_blocks_sent = len(blocks)
+            num_blocks = len(blocks)
+            request.num_blocks_sent = num_blocks
+            # By position, in the fields' order (keywords cost twice as much, once a request
+            # a step).
             scheduled.append(
                 ScheduledRequest(
-                    req_id=request.req_id,
-                    token_ids=request.all_token_ids[start : start + num_new],
-                    start_pos=start,
-                    new_block_ids=[b.block_id for b in blocks[num_sent:]]
-                    if len(blocks) > num_sent
-                    else [],
-                    new_table=num_sent == 0,
-                    sample=sample,
-                    sampling_params=params,
-                    output_token_ids=(
-                        request.output_token_ids if sample and (params.penalized or seeded) else ()
-                    ),
-                    prompt_targets=(
-                        request.all_token_ids[
-                            start + 1 : min(start + num_new + 1, request.num_prompt_tokens)
-                        ]
-                        if request.wants_prompt_logprobs
-                        else ()
-                    ),
+                    req_id,
+                    token_ids[start : start + num_new],
+                    start,  # start_pos
+                    # new_block_ids, new_table:
+                    [b.block_id for b in blocks[num_sent:]] if num_blocks > num_sent else [],
+                    num_sent == 0,
+                    sample,
+                    params,
+                    # output_token_ids:
+                    request.output_token_ids if sample and request.sampling_needs_outputs else (),
+                    # prompt_targets:
+                    token_ids[start + 1 : min(start + num_new + 1, request.num_prompt_tokens)]
+                    if request.prompt_logprobs is not None  # wants_prompt_logprobs
+                    else (),
                 )
             )
             requests.append(request)
@@ -249,26 +247,31 @@ class Scheduler(StepPlanner):
         outputs = []
         finished = []
         sampled = runner_output.sampled_token_ids
+        all_logprobs = runner_output.logprobs
+        all_prompt_logprobs = runner_output.prompt_logprobs
+        check_stop = self._check_stop
         for scheduled, request in zip(
             scheduler_output.scheduled, scheduler_output.requests, strict=True
         ):
             if request.status.finished:  # ended since (planned ahead, aborted): dropped
                 self.num_rows_dropped += 1
                 continue
-            token_id = sampled.get(scheduled.req_id)
+            req_id = request.req_id
+            token_id = sampled.get(req_id)
             if token_id is None and scheduled.sample and request.num_placeholders:
                 request.retract_placeholder()
-            scored = runner_output.prompt_logprobs.get(scheduled.req_id)
-            if scored is not None and request.prompt_logprobs is not None:
-                first, entries = scored  # by position: a recomputed chunk writes the same
-                request.prompt_logprobs[first - 1 : first - 1 + len(entries)] = entries
+            if all_prompt_logprobs:
+                scored = all_prompt_logprobs.get(req_id)
+                if scored is not None and request.prompt_logprobs is not None:
+                    first, entries = scored  # by position: a recomputed chunk writes the same
+                    request.prompt_logprobs[first - 1 : first - 1 + len(entries)] = entries
             if token_id is None:
                 continue
             request.append_output_token(token_id)
-            status = self._check_stop(request, token_id, request.req_id in completed)
-            logprobs = runner_output.logprobs.get(scheduled.req_id)
+            status = check_stop(request, token_id, req_id in completed)
+            logprobs = all_logprobs.get(req_id) if all_logprobs else None
             output = EngineCoreOutput(
-                request.req_id,
+                req_id,
                 [token_id],
                 logprobs=None if logprobs is None else [logprobs],
                 num_cached_tokens=request.num_cached_tokens or 0,
@@ -305,7 +308,7 @@ class Scheduler(StepPlanner):
                 request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         # Known tokens: those of steps still running are not the request's yet.
-        num_known = request.num_known_tokens
+        num_known = len(request.all_token_ids) - request.num_placeholders
         if num_known - request.num_prompt_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if num_known >= self.config.max_model_len:

@@ -105,7 +105,7 @@ class SimReplica:
 
     def add_request(self, request: Request) -> None:
         if self.config.policy == "fcfs":  # one class: arrival order alone decides
-            request.priority = PRIORITY_INTERACTIVE
+            request.set_priority(PRIORITY_INTERACTIVE)
         self.scheduler.add_request(request)
 
     @property
