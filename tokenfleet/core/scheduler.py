@@ -140,8 +140,8 @@ class Scheduler(StepPlanner):
         """The rule's own, with a shortcut for what most rows of a busy step are: tokens
         that fit in the blocks the request holds, with the reserve left free (_fits's
         test, counted on the spot)."""
-        alone = len(self.running) == 1  # it is running: the only one
-        keep_free = 0 if request.is_interactive or alone else self.reserve_blocks
+        # Alone: it is running, the only one.
+        keep_free = 0 if request.is_interactive or len(self.running) == 1 else self.reserve_blocks
         if self.kv.grow_in_place(request, num_new, keep_free):
             return True
         return super()._make_room_to_grow(plan, request, num_new)
