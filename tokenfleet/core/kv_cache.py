@@ -140,8 +140,7 @@ class KVCacheManager:
         holds (most decodes), with `keep_free` more blocks asked to stay free as
         can_allocate would count them; False, with nothing changed, for any other request
         (it takes allocate_slots' way). A few operations where allocate_slots is a dozen."""
-        req_id = request.req_id
-        blocks = self.req_to_blocks.get(req_id)
+        blocks = self.req_to_blocks.get(request.req_id)
         if blocks is None:
             return False
         block_size = self.block_size
@@ -152,8 +151,7 @@ class KVCacheManager:
         # The tokens fit in the blocks held: only a reserve asked for can be short.
         if keep_free and cdiv(end, block_size) - num_held + keep_free > len(self.pool.free_queue):
             return False
-        # A block filled by this step (one decode in block_size): _cache_full_blocks' test.
-        if self.enable_caching and end >= (self._num_cached_blocks.get(req_id, 0) + 1) * block_size:
+        if self.enable_caching:
             self._cache_full_blocks(request, end)
         return True
 
@@ -187,8 +185,10 @@ class KVCacheManager:
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that this step fills with known tokens (a block that holds a
         placeholder waits for a later step's allocation)."""
-        num_full = min(num_tokens, request.num_known_tokens) // self.block_size
         num_cached = self._num_cached_blocks.get(request.req_id, 0)
+        if num_tokens < (num_cached + 1) * self.block_size:
+            return  # no block filled (most decodes: one in block_size fills one)
+        num_full = min(num_tokens, request.num_known_tokens) // self.block_size
         if num_full <= num_cached:
             return
         self._update_block_hashes(request)

@@ -308,7 +308,7 @@ class Scheduler(StepPlanner):
                 request.stop_token_id = token_id
             return RequestStatus.FINISHED_STOPPED
         # Known tokens: those of steps still running are not the request's yet.
-        num_known = len(request.all_token_ids) - request.num_placeholders
+        num_known = request.num_known_tokens
         if num_known - request.num_prompt_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         if num_known >= self.config.max_model_len:
